@@ -1,0 +1,9 @@
+"""Commands of `cagkv` (placeholder until its owner fills it)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the app."""
