@@ -23,3 +23,7 @@ class CorruptBlobError(StoreError):
 
 class TranslatorError(CagkvError):
     """A translator artifact that is missing, malformed or made for other models."""
+
+
+class ModelPullError(CagkvError):
+    """A zoo model that cannot be fetched, fails its checksum, or cannot be converted."""

@@ -1,9 +1,68 @@
-"""Commands of `cagkv` (placeholder until its owner fills it)."""
+"""`cagkv eval`: answer quality and time to first token per mode on a QA set (one library call)."""
 
 from __future__ import annotations
 
+import json
+
 import typer
+
+from cagkv.errors import UsageError
+
+_EXAMPLE = (
+    "Example: cagkv eval --dataset ../shared/data/squad_v1.1_dev_even_articles.jsonl --limit 300 "
+    "--canonical smollm2-135m --target gemma3-270m --modes none,native,translate "
+    "--out docs/results/squad_smollm2_gemma3.json --markdown docs/results/squad_smollm2_gemma3.md"
+)
+
+
+def eval_command(
+    dataset: str = typer.Option(..., "--dataset", help="QA file in the shared JSONL schema."),
+    limit: int = typer.Option(None, "--limit", help="Evaluate a seeded sample of N questions."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sample (and of the bootstrap)."),
+    canonical: str = typer.Option("smollm2-135m", "--canonical", help="Model that prefills contexts."),
+    target: str = typer.Option(None, "--target", help="Model that answers (default: canonical)."),
+    modes: str = typer.Option("none,native,canonical", "--modes",
+                              help="Comma-separated modes: none, native, canonical, translate, ..."),
+    retrieval: str = typer.Option("oracle", "--retrieval",
+                                  help="oracle: the example's own context; open: all ingested contexts."),
+    top_k: int = typer.Option(3, "--top-k", help="Chunks retrieved per question."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Answer length limit."),
+    replay: int = typer.Option(0, "--replay", help="Top target layers recomputed (translate modes)."),
+    chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="Chunk size at ingest."),
+    kl_text: str = typer.Option(None, "--kl-text",
+                                help="Held-out text: also report next-token KL against native prefill."),
+    kl_windows: int = typer.Option(16, "--kl-windows", help="Context/continuation windows from --kl-text."),
+    dtype: str = typer.Option("float32", "--dtype", help="dtype the target answers in (float32, bfloat16)."),
+    embedder: str = typer.Option(None, "--embedder", help="Embedder of the eval store (default minilm-l6)."),
+    store: str = typer.Option(None, "--store", help="Keep the evaluation store here (default: temporary)."),
+    out: str = typer.Option(None, "--out", help="Results JSON (a rerun resumes from it)."),
+    markdown: str = typer.Option(None, "--markdown", help="Also write a markdown table."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+) -> None:
+    """Compare modes on a QA set: EM, F1, answer log-prob, recovery, TTFT split."""
+    from cagkv.eval.report import to_markdown
+    from cagkv.eval.runner import EvalConfig, command_line, run_eval
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    if limit is not None and limit <= 0:
+        raise UsageError(f"--limit must be positive, got {limit}")
+    config = EvalConfig(
+        dataset=dataset, canonical=canonical, target=target or canonical, modes=mode_list,
+        limit=limit, seed=seed, retrieval=retrieval, top_k=top_k, max_new_tokens=max_new_tokens,
+        replay=replay, chunk_tokens=chunk_tokens, kl_text=kl_text, kl_windows=kl_windows,
+        dtype=dtype, embedder=embedder, out=out, markdown=markdown, store=store,
+        command=command_line(),
+    )
+    report = run_eval(config, progress=progress)
+    typer.echo(to_markdown(report))
+    if out is None:
+        summary = {k: report[k] for k in ("dataset", "canonical", "target", "n", "modes", "recovery")}
+        typer.echo(json.dumps(summary, indent=1))
+
+
+eval_command.__doc__ = f"{eval_command.__doc__}\n\n{_EXAMPLE}"
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the app."""
+    """Add `cagkv eval` to the app."""
+    app.command("eval")(eval_command)

@@ -1,0 +1,44 @@
+"""cagkv.stores: where KV caches live (bytes below, tensors above).
+
+- `catalog.py`: the SQL catalog (SQLAlchemy 2; SQLite WAL by default, any URL).
+- `blobs.py`: bytes under keys, atomic writes, sha256-checked reads (folder or fsspec URL).
+- `vectors.py`: the FAISS index of chunk embeddings, ids = chunk ids.
+- `embed.py`: embedders (MiniLM by default; a hashing one for tests).
+- `store.py`: `CacheStore`, the facade that keeps the three consistent.
+- `doctor.py`: consistency checks and repair.
+"""
+
+from .blobs import BlobStore, FsspecBlobStore, LocalBlobStore, open_blob_store
+from .embed import Embedder, HashEmbedder, MiniLMEmbedder, make_embedder
+from .store import (
+    AddResult,
+    CacheStore,
+    ChunksChangedError,
+    DoctorReport,
+    DocumentInfo,
+    Hit,
+    Problem,
+    content_hash,
+)
+from .vectors import CorruptIndexError, VectorIndex
+
+__all__ = [
+    "AddResult",
+    "BlobStore",
+    "CacheStore",
+    "ChunksChangedError",
+    "CorruptIndexError",
+    "DoctorReport",
+    "DocumentInfo",
+    "Embedder",
+    "FsspecBlobStore",
+    "HashEmbedder",
+    "Hit",
+    "LocalBlobStore",
+    "MiniLMEmbedder",
+    "Problem",
+    "VectorIndex",
+    "content_hash",
+    "make_embedder",
+    "open_blob_store",
+]

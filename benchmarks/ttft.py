@@ -1,0 +1,146 @@
+"""Time to first token: translated (or canonical) cache against native prefill, side by side.
+
+For each context length, real text of about that many canonical tokens is ingested as one
+document (chunked as usual); one question is then answered with every chunk of it
+retrieved, in each mode, `--repeats` times after one warm-up, alternating modes so that
+machine load hits them alike. Reports the median split (retrieve, load, translate, replay,
+prefill, first token) and the native / mode ratio.
+
+Example:
+    python benchmarks/ttft.py --canonical smollm2-135m --target gemma3-270m \
+        --modes native,translate --lengths 512,2048 --repeats 3 \
+        --out docs/results/ttft_smollm2_gemma3.json --markdown docs/results/ttft_smollm2_gemma3.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cagkv.eval.runner import TTFT_KEYS, _git_commit, _machine
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "examples" / "docs"
+QUESTION = "What is the main point the author makes?"
+
+
+def read_text(paths: list[Path]) -> str:
+    """All .txt/.md files under the given paths, joined by blank lines."""
+    parts = []
+    for path in paths:
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md")) if path.is_dir() else [path]
+        parts += [f.read_text(encoding="utf-8") for f in files]
+    text = "\n\n".join(p.strip() for p in parts if p.strip())
+    if not text:
+        raise SystemExit(f"no text found in {paths}")
+    return text
+
+
+def context_of(text: str, tokenizer, n_tokens: int) -> str:
+    """The first `n_tokens` canonical tokens of the text (repeated if it is shorter)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    while len(ids) < n_tokens:
+        ids = ids + ids
+    return tokenizer.decode(ids[:n_tokens])
+
+
+def measure(engine, target: str, mode: str, document_id: str, top_k: int) -> dict[str, float]:
+    prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id])
+    answer = engine.generate(prepared, max_new_tokens=1)
+    split = {k: float(answer.timings_ms.get(k) or 0.0) for k in TTFT_KEYS}
+    split["ttft"] = split["first_token"]  # the engine measures first_token from the question on
+    split["context_tokens"] = float(prepared.next_position)
+    return split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--canonical", default="smollm2-135m")
+    parser.add_argument("--target", default="gemma3-270m")
+    parser.add_argument("--modes", default="native,translate")
+    parser.add_argument("--lengths", default="512,1024,2048")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--text", type=Path, nargs="*", default=[DEFAULT_TEXT])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", help="dtype the target answers in")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from cagkv.ingest import ingest_text
+    from cagkv.models import load
+    from cagkv.pipeline import CAG
+    from cagkv.stores import CacheStore
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    canonical = load(args.canonical, dtype=torch.bfloat16)  # the ingest default dtype
+    text = read_text(args.text)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cagkv-ttft-") as tmp:
+        store = CacheStore.open(Path(tmp) / "store", canonical=args.canonical,
+                                fingerprint=canonical.fingerprint)
+        contexts = [context_of(text, canonical.tokenizer, n) for n in lengths]
+        doc_ids = [str(ingest_text(store, c, f"ttft:{n}", loaded=canonical,
+                                   chunk_tokens=args.chunk_tokens).document_id)
+                   for c, n in zip(contexts, lengths)]
+        engine = CAG(store, canonical=args.canonical, dtype=args.dtype)
+        for n, doc in zip(lengths, doc_ids):
+            top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document
+            samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for m in modes:  # warm-up: loads models and translators, first-call overheads
+                measure(engine, args.target, m, doc, top_k)
+            for _ in range(args.repeats):
+                for m in modes:
+                    samples[m].append(measure(engine, args.target, m, doc, top_k))
+            for m in modes:
+                keys = samples[m][0].keys()
+                median = {k: statistics.median(s[k] for s in samples[m]) for k in keys}
+                rows.append({"length": n, "mode": m, **{k: round(v, 2) for k, v in median.items()}})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    native = {r["length"]: r["ttft"] for r in rows if r["mode"] == "native"}
+    for r in rows:
+        r["speedup_vs_native"] = round(native[r["length"]] / r["ttft"], 3) if r["length"] in native else None
+    report = {
+        "benchmark": "ttft", "canonical": args.canonical, "target": args.target,
+        "repeats": args.repeats, "threads": args.threads, "dtype": args.dtype, "commit": _git_commit(),
+        "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python benchmarks/ttft.py " + " ".join(sys.argv[1:]), "rows": rows,
+    }
+    md = to_markdown(report)
+    print(md)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(md, encoding="utf-8")
+
+
+def to_markdown(report: dict) -> str:
+    lines = [
+        f"### TTFT: {report['canonical']} -> {report['target']} (median of {report['repeats']})",
+        "",
+        f"- command: `{report['command']}`",
+        f"- commit: {report['commit']}; machine: {report['machine']}; date: {report['date']}",
+        "",
+        "| context tokens | mode | " + " | ".join(TTFT_KEYS) + " | TTFT ms | native / mode |",
+        "|" + "---|" * (len(TTFT_KEYS) + 4),
+    ]
+    for r in report["rows"]:
+        cells = [str(r["length"]), r["mode"], *(f"{r[k]:.1f}" for k in TTFT_KEYS), f"{r['ttft']:.1f}",
+                 "–" if r["speedup_vs_native"] is None else f"{r['speedup_vs_native']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Turn per-example rows into the evaluation report (JSON) and its markdown table.
+
+A row is one (example, mode): `{"id", "mode", "answer", "prediction", "em", "f1",
+"answer_logprob", "ttft_ms", "timings_ms": {...}, ...}`. The report's top-level keys are
+`dataset, canonical, target, n, modes` (mode -> metric -> value, with `<metric>_ci` =
+[lo, hi]) and `recovery` (mode -> metric -> value, same convention), then `config`,
+`kl_rows` and the per-example `examples` rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from cagkv.eval.metrics import Interval, bootstrap_mean, recovery
+
+QUALITY_METRICS = ("em", "f1", "answer_logprob")
+TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
+BASELINE_MODES = ("none", "native")
+
+
+def _num(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def _put(out: dict[str, Any], name: str, interval: Interval) -> None:
+    out[name] = _num(interval.value)
+    out[f"{name}_ci"] = interval.as_list()
+
+
+def complete_ids(rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> list[str]:
+    """Ids with a row for every mode, in first-seen order: the paired sample reported."""
+    have: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        have[row["id"]].add(row["mode"])
+    return [i for i in dict.fromkeys(r["id"] for r in rows) if have[i] >= set(modes)]
+
+
+def build_report(
+    rows: Sequence[dict[str, Any]],
+    *,
+    dataset: str,
+    canonical: str,
+    target: str,
+    modes: Sequence[str],
+    config: dict[str, Any] | None = None,
+    kl_rows: Sequence[dict[str, Any]] = (),
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Means with bootstrap intervals per mode and recovery per non-baseline mode."""
+    ids = complete_ids(rows, modes)
+    by_key = {(r["id"], r["mode"]): r for r in rows}
+
+    def column(mode: str, metric: str) -> list[float | None]:
+        return [by_key[(i, mode)].get(metric) for i in ids]
+
+    summary: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        entry: dict[str, Any] = {"n": len(ids)}
+        for metric in (*QUALITY_METRICS, "ttft_ms"):
+            _put(entry, metric, bootstrap_mean(column(mode, metric), n_boot=n_boot, seed=seed))
+        timings = [by_key[(i, mode)].get("timings_ms", {}) for i in ids]
+        entry["timings_ms"] = {
+            key: _num(bootstrap_mean([t.get(key) for t in timings], n_boot=1).value)
+            for key in TIMING_KEYS
+        }
+        summary[mode] = entry
+
+    kl = _kl_columns(kl_rows, modes)
+    for mode, values in kl.items():
+        _put(summary[mode], "kl", bootstrap_mean(values, n_boot=n_boot, seed=seed))
+
+    rec: dict[str, dict[str, Any]] = {}
+    if "none" in modes and "native" in modes:
+        for mode in modes:
+            if mode in BASELINE_MODES:
+                continue
+            entry = {}
+            for metric in QUALITY_METRICS:
+                interval = recovery(
+                    column(mode, metric), column("none", metric), column("native", metric),
+                    n_boot=n_boot, seed=seed,
+                )
+                _put(entry, metric, interval)
+            if mode in kl and "none" in kl and "native" in kl:
+                _put(entry, "kl", recovery(kl[mode], kl["none"], kl["native"], n_boot=n_boot, seed=seed))
+            rec[mode] = entry
+
+    return {
+        "dataset": dataset,
+        "canonical": canonical,
+        "target": target,
+        "n": len(ids),
+        "modes": summary,
+        "recovery": rec,
+        "config": dict(config or {}),
+        "kl_rows": list(kl_rows),
+        "examples": [by_key[(i, m)] for i in ids for m in modes],
+    }
+
+
+def _kl_columns(kl_rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, list[float]]:
+    """mode -> per-window KL, paired over the windows every mode has."""
+    by_mode: dict[str, dict[int, float]] = defaultdict(dict)
+    for row in kl_rows:
+        by_mode[row["mode"]][int(row["window"])] = float(row["kl"])
+    present = [m for m in modes if m in by_mode]
+    if not present:
+        return {}
+    windows = sorted(set.intersection(*(set(by_mode[m]) for m in present)))
+    return {m: [by_mode[m][w] for w in windows] for m in present}
+
+
+# ---------------------------------------------------------------------------- markdown
+
+
+def _pct(value: float | None, ci: list[float | None] | None = None) -> str:
+    if value is None:
+        return "–"
+    text = f"{100 * value:.1f}"
+    if ci and ci[0] is not None and ci[1] is not None:
+        text += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+    return text
+
+
+def _plain(value: float | None, ci: list[float | None] | None = None, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    text = f"{value:.{digits}f}"
+    if ci and ci[0] is not None and ci[1] is not None:
+        text += f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+    return text
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """A markdown section: settings, quality per mode, recovery, and the TTFT split."""
+    cfg = report.get("config", {})
+    modes = report["modes"]
+    lines = [
+        f"### {report['dataset']}: {report['canonical']} -> {report['target']} (n = {report['n']})",
+        "",
+    ]
+    for label, key in (("command", "command"), ("commit", "commit"), ("machine", "machine"),
+                       ("retrieval", "retrieval"), ("seed", "seed"), ("date", "finished")):
+        if cfg.get(key) is not None:
+            value = f"`{cfg[key]}`" if key == "command" else str(cfg[key])
+            lines.append(f"- {label}: {value}")
+    lines += [
+        "",
+        "Quality per mode, mean with bootstrap 95 % interval (EM and F1 in %, answer log-prob in nats/token):",
+        "",
+    ]
+    has_kl = any("kl" in m for m in modes.values())
+    header = "| mode | EM | F1 | answer log-prob |" + (" KL (nats) |" if has_kl else "") + " TTFT ms |"
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
+    for mode, m in modes.items():
+        cells = [mode, _pct(m["em"], m["em_ci"]), _pct(m["f1"], m["f1_ci"]),
+                 _plain(m["answer_logprob"], m["answer_logprob_ci"])]
+        if has_kl:
+            cells.append(_plain(m.get("kl"), m.get("kl_ci")))
+        cells.append(_plain(m["ttft_ms"], None, digits=0))
+        lines.append("| " + " | ".join(cells) + " |")
+    if report["recovery"]:
+        lines += ["", "Recovery = (mode - none) / (native - none), % with paired bootstrap 95 % interval:", ""]
+        metrics = list(QUALITY_METRICS) + (["kl"] if has_kl else [])
+        lines.append("| mode | " + " | ".join(metrics) + " |")
+        lines.append("|" + "---|" * (len(metrics) + 1))
+        for mode, r in report["recovery"].items():
+            cells = [mode] + [_pct(r.get(k), r.get(f"{k}_ci")) for k in metrics]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Time to first token split, mean ms per question (first_token is the time from the "
+              "question to the first token, so it includes the phases to its left; total includes "
+              "the whole answer):", ""]
+    lines.append("| mode | " + " | ".join(TIMING_KEYS) + " |")
+    lines.append("|" + "---|" * (len(TIMING_KEYS) + 1))
+    for mode, m in modes.items():
+        cells = [mode] + [_plain(m["timings_ms"].get(k), None, digits=1) for k in TIMING_KEYS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

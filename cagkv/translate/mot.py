@@ -1,0 +1,277 @@
+"""The Mixture-of-Translators network: aligned source KV + target embeddings -> target KV.
+
+Per target token (on the target's token grid, see `cagkv.align`):
+
+    src   [B, T, n_used * 2 * src_kv]  aligned source K (position-free) and V of the used
+                                       source layers, raw; normalised here with stored stats
+    emb   [B, T, tgt_embed]            the target's own token embedding (no prefill needed)
+
+Per layer group g (consecutive target layers sharing one block):
+
+    h_g = in_proj_g(src[:, :, cols_g]) + emb_proj(emb)         [B, T, d]
+    h_g += causal depthwise conv ; h_g += causal self-attention (sequence mixing)
+    h_g += sum_{top-k e} gate_e * expert_{g,e}(h_g)            (router, top-k, balance loss)
+    y_l = head_l(norm(h_g)) for target layers l in g           [B, T, 2 * kv_heads * head_dim]
+
+`y` is in normalised units (per layer/channel target stats); `decode` turns it into keys
+and values. Keys of targets with a k-norm are produced *before* the norm, and the target's
+own k-norm module is applied by the caller (`features.TargetSide.k_post`), so translated
+keys lie on the target's key manifold. Layers in `exact_layers` (layer 0) are not
+translated: the caller computes them exactly from the target's embeddings.
+
+All (token, group, slot) expert assignments go through one `dispatch_experts` call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
+from cagkv.translate.layermap import layer_groups, used_source_layers
+
+__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput"]
+
+MIXING = ("none", "conv", "attn", "conv+attn")
+
+
+@dataclass
+class MoTConfig:
+    """Shape and hyper-parameters of a translator (embedded in every artifact card)."""
+
+    src_layers: int
+    src_kv_dim: int  # source kv_heads * head_dim
+    tgt_layers: int
+    tgt_kv_heads: int
+    tgt_head_dim: int
+    tgt_embed_dim: int
+    layer_map: list[list[int]]  # per target layer, source layers by relative depth
+    exact_layers: list[int] = field(default_factory=lambda: [0])
+    tgt_k_norm: bool = False  # keys produced pre-norm; the target's k-norm is applied outside
+    group_size: int = 3
+    d_model: int = 192
+    d_expert: int = 384
+    experts: int = 4
+    top_k: int = 2
+    conv_kernel: int = 4
+    attn_heads: int = 4
+    mixing: str = "conv+attn"
+    boundary_layer: int | None = None  # optional head: residual stream entering this layer
+    tgt_hidden: int = 0
+    dispatch: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mixing not in MIXING:
+            raise ValueError(f"mixing must be one of {MIXING}, got {self.mixing!r}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be in 1..experts={self.experts}, got {self.top_k}")
+        if len(self.layer_map) != self.tgt_layers:
+            raise ValueError(f"layer_map has {len(self.layer_map)} rows, expected {self.tgt_layers}")
+
+    # derived ---------------------------------------------------------------------
+    @property
+    def tgt_kv_dim(self) -> int:
+        return self.tgt_kv_heads * self.tgt_head_dim
+
+    @property
+    def translated(self) -> list[int]:
+        return [l for l in range(self.tgt_layers) if l not in self.exact_layers]
+
+    @property
+    def groups(self) -> list[list[int]]:
+        return layer_groups(self.translated, self.group_size)
+
+    @property
+    def used_src(self) -> list[int]:
+        return used_source_layers(self.layer_map, self.translated)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MoTConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown translator config keys {unknown}; expected some of {sorted(names)}")
+        return cls(**data)
+
+
+@dataclass
+class MoTOutput:
+    y: torch.Tensor  # [B, Lt, T, 2 * kv] normalised K|V of the translated layers
+    aux_loss: torch.Tensor  # load-balancing loss (scalar)
+    boundary: torch.Tensor | None  # [B, T, tgt_hidden] or None
+    expert_load: torch.Tensor  # [G, E] share of assignments per expert
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MixBlock(nn.Module):
+    """Sequence mixing over a chunk's tokens: causal depthwise conv + causal self-attention."""
+
+    def __init__(self, d: int, kernel: int, heads: int, mode: str) -> None:
+        super().__init__()
+        self.mode, self.heads, self.kernel = mode, heads, kernel
+        if "conv" in mode:
+            self.conv_norm = RMSNorm(d)
+            self.conv = nn.Conv1d(d, d, kernel, groups=d)
+        if "attn" in mode:
+            self.attn_norm = RMSNorm(d)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.proj = nn.Linear(d, d, bias=False)
+            nn.init.zeros_(self.proj.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        if "conv" in self.mode:
+            x = self.conv_norm(h).transpose(1, 2)  # [B, d, T]
+            x = F.pad(x, (self.kernel - 1, 0))  # causal: token t sees t-k+1..t
+            h = h + self.conv(x).transpose(1, 2)
+        if "attn" in self.mode and t > 0:
+            q, k, v = self.qkv(self.attn_norm(h)).chunk(3, dim=-1)
+            hd = d // self.heads
+            q, k, v = (z.reshape(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))  # [B, nh, T, hd]
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))  # [B, T, d]
+        return h
+
+
+class MoTTranslator(nn.Module):
+    """Per layer-group mixture of small MLP experts with a top-k router. See module doc.
+
+    Example:
+        >>> mot = MoTTranslator(cfg)
+        >>> out = mot(src, emb)          # src [B, T, F], emb [B, T, E]
+        >>> out.y.shape                  # [B, len(cfg.translated), T, 2 * kv]
+    """
+
+    def __init__(self, cfg: MoTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, kv2 = cfg.d_model, 2 * cfg.tgt_kv_dim
+        n_used = len(cfg.used_src)
+        pos = {s: i for i, s in enumerate(cfg.used_src)}
+        feat = 2 * cfg.src_kv_dim
+        # normalisation statistics (filled by training, stored with the weights)
+        self.register_buffer("src_mean", torch.zeros(n_used * feat))
+        self.register_buffer("src_std", torch.ones(n_used * feat))
+        self.register_buffer("tgt_mean", torch.zeros(cfg.tgt_layers, kv2))
+        self.register_buffer("tgt_std", torch.ones(cfg.tgt_layers, kv2))
+        self.emb_norm = RMSNorm(cfg.tgt_embed_dim)
+        self.emb_proj = nn.Linear(cfg.tgt_embed_dim, d)
+        self.in_proj = nn.ModuleList()
+        self.mix = nn.ModuleList()
+        self.router_norm = nn.ModuleList()
+        self.router = nn.ModuleList()
+        self.head_norm = nn.ModuleList()
+        self._cols: list[torch.Tensor] = []
+        for g, layers in enumerate(cfg.groups):
+            src_layers = used_source_layers(cfg.layer_map, layers)
+            cols = torch.cat([torch.arange(pos[s] * feat, (pos[s] + 1) * feat) for s in src_layers])
+            self.register_buffer(f"cols_{g}", cols, persistent=False)
+            self.in_proj.append(nn.Linear(cols.numel(), d))
+            self.mix.append(MixBlock(d, cfg.conv_kernel, cfg.attn_heads, cfg.mixing))
+            self.router_norm.append(RMSNorm(d))
+            self.router.append(nn.Linear(d, cfg.experts))
+            self.head_norm.append(RMSNorm(d))
+        n_groups, n_exp, h = len(cfg.groups), cfg.experts, cfg.d_expert
+        # experts of all groups stacked: global expert id = g * E + e
+        self.W1 = nn.Parameter(torch.randn(n_groups * n_exp, d, h) / math.sqrt(d))
+        self.b1 = nn.Parameter(torch.zeros(n_groups * n_exp, h))
+        self.W2 = nn.Parameter(torch.randn(n_groups * n_exp, h, d) * (0.5 / math.sqrt(h)))
+        self.b2 = nn.Parameter(torch.zeros(n_groups * n_exp, d))
+        n_tr = len(cfg.translated)
+        self.head_w = nn.Parameter(torch.randn(n_tr, d, kv2) / math.sqrt(d))
+        self.head_b = nn.Parameter(torch.zeros(n_tr, kv2))
+        self.boundary_head = nn.Linear(d, cfg.tgt_hidden) if cfg.boundary_layer is not None else None
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None) -> MoTOutput:
+        """src `[B, T, n_used*2*src_kv]` raw aligned source KV, emb `[B, T, E]`; mask `[B, T]` real tokens."""
+        cfg = self.cfg
+        b, t, _ = src.shape
+        x = (src - self.src_mean) / self.src_std
+        e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
+        hs = []
+        for g in range(len(cfg.groups)):
+            h = self.in_proj[g](x.index_select(-1, getattr(self, f"cols_{g}"))) + e
+            hs.append(self.mix[g](h))
+        h = torch.stack(hs)  # [G, B, T, d]
+        n_groups, n_exp, k = h.shape[0], cfg.experts, cfg.top_k
+        logits = torch.stack([self.router[g](self.router_norm[g](h[g])) for g in range(n_groups)])  # [G, B, T, E]
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_p, top_i = probs.topk(k, dim=-1)  # [G, B, T, k]
+        gate = (top_p / top_p.sum(-1, keepdim=True)).to(h.dtype)
+        offset = (torch.arange(n_groups, device=h.device) * n_exp).view(n_groups, 1, 1, 1)
+        flat_h = h.reshape(-1, h.shape[-1])  # [G*B*T, d]
+        mixed = dispatch_experts(
+            flat_h,
+            (top_i + offset).reshape(-1, k),
+            gate.reshape(-1, k),
+            self.W1, self.b1, self.W2, self.b2,
+            impl=cfg.dispatch,
+        )
+        h = h + mixed.reshape(h.shape)  # [G, B, T, d]
+        keep = torch.ones(b, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
+        aux = h.new_zeros(())
+        load = h.new_zeros(n_groups, n_exp)
+        for g in range(n_groups):
+            p_g, i_g = probs[g][keep], top_i[g][keep]  # [N, E], [N, k]
+            aux = aux + load_balance_loss(p_g, i_g, n_exp) / n_groups
+            if i_g.numel():
+                load[g] = torch.bincount(i_g.reshape(-1), minlength=n_exp).float() / i_g.numel()
+        ys = []
+        for g, layers in enumerate(cfg.groups):
+            hn = self.head_norm[g](h[g])  # [B, T, d]
+            idx = [cfg.translated.index(l) for l in layers]
+            w, bias = self.head_w[idx], self.head_b[idx]  # [n, d, 2kv], [n, 2kv]
+            ys.append(torch.einsum("btd,ndo->bnto", hn, w) + bias[None, :, None, :])
+        y = torch.cat(ys, dim=1)  # [B, Lt, T, 2kv]
+        boundary = None
+        if self.boundary_head is not None:
+            g = self._group_of(max(0, int(cfg.boundary_layer) - 1))
+            boundary = self.boundary_head(h[g])
+        return MoTOutput(y=y, aux_loss=aux, boundary=boundary, expert_load=load.detach())
+
+    def _group_of(self, layer: int) -> int:
+        for g, layers in enumerate(self.cfg.groups):
+            if layer in layers:
+                return g
+        return 0
+
+    # ------------------------------------------------------------------ units
+    def decode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised `y [B, Lt, T, 2kv]` -> keys, values `[B, Lt, T, kv]` in target units.
+
+        Keys of k-norm targets are returned in the target's *post-norm* units too; the
+        caller divides by the k-norm scale and re-applies the norm (see TargetSide).
+        """
+        idx = torch.tensor(self.cfg.translated, device=y.device)
+        mean, std = self.tgt_mean[idx][None, :, None, :], self.tgt_std[idx][None, :, None, :]
+        out = y * std + mean
+        kv = self.cfg.tgt_kv_dim
+        return out[..., :kv], out[..., kv:]
+
+    def normalise_target(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Native keys/values `[B, Lt, T, kv]` of the translated layers -> normalised `y`."""
+        idx = torch.tensor(self.cfg.translated, device=k.device)
+        mean, std = self.tgt_mean[idx][None, :, None, :], self.tgt_std[idx][None, :, None, :]
+        return (torch.cat([k, v], dim=-1) - mean) / std
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

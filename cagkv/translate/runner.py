@@ -1,0 +1,151 @@
+"""The training run as one resumable flow: prepare -> stages -> evaluate -> artifact.
+
+    run_training(source, target, cfg)
+      load models -> samples (corpus.py) -> pairs on disk (pairs.py, cached by content)
+      -> norm stats -> regression -> attention -> e2e (each checkpointed, evaluated)
+      -> save_artifact(cfg.out) with the card
+
+The card's `quality` is the held-out answer log-likelihood recovery after the last stage;
+`auto_threshold` (default 0.5) is what `auto` mode compares it with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cagkv.translate.artifact import save_artifact
+from cagkv.translate.corpus import load_documents, make_samples, split_by_document
+from cagkv.translate.mot import MoTTranslator
+from cagkv.translate.pairs import PairSet, build_pairs
+from cagkv.translate.train import STAGES, Trainer, TrainConfig, make_mot_config, make_optimizer, stage_steps
+
+__all__ = ["run_training", "AUTO_THRESHOLD"]
+
+AUTO_THRESHOLD = 0.5
+
+
+def _home() -> Path:
+    return Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv"))
+
+
+def _say(msg: str) -> None:
+    print(f"[cagkv train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, PairSet, dict[str, Any]]:
+    docs = load_documents(cfg.corpora)
+    samples = make_samples(docs, cfg.samples, seed=cfg.seed)
+    train_s, held_s = split_by_document(samples, cfg.heldout_share, seed=cfg.seed)
+    key = hashlib.sha256(
+        json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.samples, cfg.seed, cfg.topk]).encode()
+    ).hexdigest()[:12]
+    base = _home() / "pairs" / f"{source.name}__{target.name}__{key}".replace("/", "_")
+    for name, ss in (("heldout", held_s), ("train", train_s)):
+        t0 = time.time()
+
+        def prog(i: int, n: int, name: str = name, t0: float = t0) -> None:
+            if i % 10 == 0 or i == n:
+                _say(f"pairs {name}: {i}/{n} ({time.time() - t0:.0f}s)")
+
+        build_pairs(source, target, ss, base / name, topk=cfg.topk, progress=prog)
+    data = {
+        "corpora": cfg.corpora, "chunks_train": len(train_s), "chunks_heldout": len(held_s),
+        "documents_train": len({s.source for s in train_s}), "documents_heldout": len({s.source for s in held_s}),
+        "chars_train": sum(len(s.text) for s in train_s), "pairs_dir": str(base),
+        "continuations": sorted({c.kind for s in samples for c in s.conts}),
+    }
+    return PairSet(base / "train"), PairSet(base / "heldout"), data
+
+
+def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress: bool = True) -> Path:
+    from cagkv.models import load
+
+    torch.set_num_threads(max(1, cfg.threads))
+    torch.manual_seed(cfg.seed)
+    out = Path(os.path.expanduser(cfg.out))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    source, target = load(source_name), load(target_name)
+    _say(f"source {source.name} ({source.fingerprint}), target {target.name} ({target.fingerprint})")
+    pairs, heldout, data = prepare_pairs(source, target, cfg)
+    data["tokens_train"] = sum(int(pairs[i]["tgt_ids"].numel()) for i in range(len(pairs)))
+    prep_s = time.time() - t0
+    _say(f"pairs ready: {len(pairs)} train, {len(heldout)} held-out chunks ({prep_s:.0f}s)")
+    logf = open(out / "log.jsonl", "a")
+
+    def log(rec: dict[str, Any]) -> None:
+        logf.write(json.dumps(rec) + "\n")
+        logf.flush()
+        if progress:
+            _say(" ".join(f"{k}={v}" for k, v in rec.items()))
+
+    mot = MoTTranslator(make_mot_config(source, target, cfg))
+    trainer = Trainer(source, target, pairs, heldout, cfg, mot=mot, log=log)
+    ckpt_path = out / "ckpt.pt"
+    state: dict[str, Any] = {"done": [], "metrics": {}, "stages": []}
+    if ckpt_path.exists():
+        saved = torch.load(ckpt_path, weights_only=False)
+        mot.load_state_dict(saved["model"])
+        state = saved["state"]
+        _say(f"resumed from {ckpt_path}: done {state['done']}, in {saved.get('stage')} step {saved.get('step')}")
+    else:
+        trainer.fit_stats()
+        saved = {}
+    steps = stage_steps(cfg)
+    for stage in STAGES:
+        if stage in state["done"] or steps[stage] <= 0:
+            continue
+        opt = make_optimizer(mot, stage, cfg)
+        start = 0
+        if saved.get("stage") == stage and "opt" in saved:
+            opt.load_state_dict(saved["opt"])
+            start = int(saved["step"])
+        t_stage = time.time()
+
+        def ckpt(stage_: str, step: int, opt: torch.optim.Optimizer = opt) -> None:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": mot.state_dict(), "opt": opt.state_dict(), "stage": stage_, "step": step,
+                        "state": state}, tmp)
+            os.replace(tmp, ckpt_path)
+
+        _say(f"stage {stage}: steps {start}..{steps[stage]}")
+        getattr(trainer, f"stage_{stage}")(steps[stage], opt, start=start, ckpt=ckpt)
+        metrics = trainer.evaluate()
+        _say(f"after {stage}: {json.dumps(metrics)}")
+        state["done"].append(stage)
+        state["metrics"][stage] = metrics
+        state["stages"].append({"name": stage, "steps": steps[stage], "wall_s": round(time.time() - t_stage, 1)})
+        torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
+        saved = {}
+    last = state["metrics"][state["done"][-1]] if state["done"] else {}
+    card = {
+        "source": {"name": source.name, "fingerprint": source.fingerprint, "layers": source.spec.num_layers,
+                   "kv_heads": source.spec.num_kv_heads, "head_dim": source.spec.head_dim},
+        "target": {"name": target.name, "fingerprint": target.fingerprint, "layers": target.spec.num_layers,
+                   "kv_heads": target.spec.num_kv_heads, "head_dim": target.spec.head_dim},
+        "layer_map": mot.cfg.layer_map,
+        "norm_stats": {"stored": "in weights (src_mean, src_std, tgt_mean, tgt_std)",
+                       "tgt_std_mean_per_layer": [round(float(x), 4) for x in mot.tgt_std.mean(1)]},
+        "train_config": dataclasses.asdict(cfg),
+        "data": data,
+        "stages": state["stages"],
+        "metrics": state["metrics"],
+        "quality": {"metric": "answer_ll_recovery", "value": last.get("answer_ll_recovery"),
+                    "auto_threshold": AUTO_THRESHOLD,
+                    "note": "held-out cloze/what-follows answers on other documents of the training corpora"},
+        "parameters": mot.num_parameters(),
+        "wall_s": round(time.time() - t0, 1),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    save_artifact(out, mot, card)
+    _say(f"artifact written to {out} ({(out / 'weights.safetensors').stat().st_size / 1e6:.1f} MB)")
+    return out

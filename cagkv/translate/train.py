@@ -1,0 +1,386 @@
+"""Staged translator training, ending in the target's behaviour.
+
+    prepare   corpus -> samples -> paired features on disk (pairs.py) -> norm statistics
+    stage 1   regression:  normalised MSE of translated K/V (warm start)
+    stage 2   attention:   under the target's own continuation queries, attention output
+                           over translated chunk K/V matches the output over native K/V
+    stage 3   e2e:         the frozen target continues (QA-shaped and plain) from prefix +
+                           translated chunk; KL to its own-prefill next-token distribution,
+                           weighted toward tokens the document changes; back-propagated
+                           through the frozen target into the translator
+    evaluate  held-out (other documents): per-layer R^2, attention error, weighted KL,
+              answer log-likelihood recovery and answer top-1 agreement
+
+Every stage checkpoints (`ckpt.pt`) and resumes; `log.jsonl` gets one line per log step.
+
+Example:
+    >>> cfg = TrainConfig(out="~/.cache/cagkv/translators/a__b")
+    >>> train("smollm2-135m", "gemma3-270m", cfg)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from cagkv.align import align_tokens
+from cagkv.models.cache import build_cache
+from cagkv.models.rope import rotate
+from cagkv.translate.features import TargetSide, running_stats, source_features
+from cagkv.translate.layermap import layer_map
+from cagkv.translate.mot import MoTConfig, MoTTranslator
+from cagkv.translate.pairs import PairSet
+from cagkv.translate.translator import assemble_kv
+
+if TYPE_CHECKING:
+    from cagkv.models import LoadedModel
+
+__all__ = ["TrainConfig", "Trainer", "train", "make_mot_config", "kl_topk"]
+
+STAGES = ("regression", "attention", "e2e")
+
+
+@dataclass
+class TrainConfig:
+    out: str = ""
+    corpora: list[str] = field(default_factory=lambda: ["lee", "pydoc"])
+    samples: int = 300
+    heldout_share: float = 0.1
+    seed: int = 0
+    layer_nearest: int = 2
+    experts: int = 4
+    top_k: int = 2
+    d_model: int = 192
+    d_expert: int = 384
+    group_size: int = 3
+    mixing: str = "conv+attn"
+    steps_regression: int = 600
+    steps_attention: int = 150
+    steps_e2e: int = 300
+    batch: int = 8
+    e2e_accum: int = 2
+    lr: float = 1e-3
+    lr_e2e: float = 2e-4
+    aux_weight: float = 0.01
+    anchor_weight: float = 0.05  # regression term kept during stages 2-3
+    kl_positions: int = 16
+    topk: int = 32
+    eval_samples: int = 30
+    log_every: int = 25
+    ckpt_every: int = 50
+    threads: int = 1
+    max_minutes: float = 0.0  # >0: stop a stage early when the overall wall budget is spent
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown training options {unknown}")
+        return cls(**data)
+
+
+def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) -> MoTConfig:
+    s, t = source.spec, target.spec
+    return MoTConfig(
+        src_layers=s.num_layers, src_kv_dim=s.kv_dim, tgt_layers=t.num_layers, tgt_kv_heads=t.num_kv_heads,
+        tgt_head_dim=t.head_dim, tgt_embed_dim=int(target.config.hidden_size),
+        layer_map=layer_map(s.num_layers, t.num_layers, cfg.layer_nearest), exact_layers=[0],
+        tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
+        experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, tgt_hidden=int(target.config.hidden_size),
+    )
+
+
+def kl_topk(logq: torch.Tensor, topi: torch.Tensor, topv: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row with p known on its top-K ids plus one 'rest' bucket.
+
+    logq `[N, V]` student log-probs; topi/topv `[N, K]` teacher ids / log-probs.
+    """
+    lq = logq.gather(1, topi.long())  # [N, K]
+    p = topv.exp()
+    rest_p = (1 - p.sum(1)).clamp(min=1e-8)
+    rest_q = (1 - lq.exp().sum(1)).clamp(min=1e-8)
+    return (p * (topv - lq)).sum(1) + rest_p * (rest_p.log() - rest_q.log())
+
+
+class Trainer:
+    """Holds models, data and the translator; each stage is a method. See module doc."""
+
+    def __init__(self, source: LoadedModel, target: LoadedModel, pairs: PairSet, heldout: PairSet,
+                 cfg: TrainConfig, mot: MoTTranslator | None = None, log: Callable[[dict], None] | None = None):
+        self.source, self.target, self.cfg = source, target, cfg
+        self.pairs, self.heldout = pairs, heldout
+        for p in target.model.parameters():
+            p.requires_grad_(False)
+        self.ts = TargetSide(target.model)
+        self.mot = mot if mot is not None else MoTTranslator(make_mot_config(source, target, cfg))
+        self.log = log or (lambda rec: None)
+        self.rng = random.Random(cfg.seed)
+        self.P = int(pairs.prefix_ids.numel())
+        self.t_start = time.time()
+
+    # ------------------------------------------------------------------ data
+    def fit_stats(self, n: int = 64) -> None:
+        """Per-channel statistics of the source features and target K/V from training pairs."""
+        used, mot = self.mot.cfg.used_src, self.mot
+        src, tgt = [], [[] for _ in range(mot.cfg.tgt_layers)]
+        for i in range(min(n, len(self.pairs))):
+            rec = self.pairs[i]
+            src.append(source_features(rec["src_k"], rec["src_v"], used))
+            for l in range(mot.cfg.tgt_layers):
+                k = rec["tgt_k"][l].float().permute(1, 0, 2).reshape(-1, mot.cfg.tgt_kv_dim)  # [T, H*D]
+                v = rec["tgt_v"][l].float().permute(1, 0, 2).reshape(-1, mot.cfg.tgt_kv_dim)
+                tgt[l].append(torch.cat([k, v], -1))
+        mot.src_mean.copy_(running_stats(src)[0])
+        mot.src_std.copy_(running_stats(src)[1])
+        for l in range(mot.cfg.tgt_layers):
+            m, s = running_stats(tgt[l])
+            mot.tgt_mean[l].copy_(m)
+            mot.tgt_std[l].copy_(s)
+
+    def batch(self, recs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Pad a list of pair records into translator inputs and regression targets."""
+        cfg = self.mot.cfg
+        used = cfg.used_src
+        lengths = [int(r["tgt_ids"].numel()) for r in recs]
+        t_max, b = max(lengths), len(recs)
+        src = torch.zeros(b, t_max, len(used) * 2 * cfg.src_kv_dim)
+        ids = torch.zeros(b, t_max, dtype=torch.int64)
+        tk = torch.zeros(b, cfg.tgt_layers, t_max, cfg.tgt_kv_dim)
+        tv = torch.zeros_like(tk)
+        for i, r in enumerate(recs):
+            n = lengths[i]
+            feats = source_features(r["src_k"], r["src_v"], used)
+            src[i, :n] = align_tokens(r["src_off"], r["tgt_off"]) @ feats
+            ids[i, :n] = r["tgt_ids"]
+            tk[i, :, :n] = r["tgt_k"].float().permute(0, 2, 1, 3).reshape(cfg.tgt_layers, n, -1)  # [L, T, H*D]
+            tv[i, :, :n] = r["tgt_v"].float().permute(0, 2, 1, 3).reshape(cfg.tgt_layers, n, -1)
+        mask = torch.arange(t_max)[None, :] < torch.tensor(lengths)[:, None]
+        return {"src": src, "ids": ids, "tk": tk, "tv": tv, "mask": mask, "lengths": torch.tensor(lengths)}
+
+    def translate_batch(self, bt: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Differentiable translation: keys/values `[B, L, H, T, D]` and the MoT output."""
+        with torch.no_grad():
+            emb = self.ts.embed(bt["ids"]).float()
+        out = self.mot(bt["src"], emb, bt["mask"])
+        keys, values = assemble_kv(self.mot, self.ts, out, emb)
+        return keys, values, out
+
+    def regression_loss(self, keys: torch.Tensor, values: torch.Tensor, bt: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Normalised MSE over translated layers and real tokens (post k-norm keys)."""
+        cfg = self.mot.cfg
+        idx = cfg.translated
+        b, _, h, t, d = keys.shape
+        k = keys[:, idx].permute(0, 1, 3, 2, 4).reshape(b, len(idx), t, h * d)  # [B, Lt, T, kv]
+        v = values[:, idx].permute(0, 1, 3, 2, 4).reshape(b, len(idx), t, h * d)
+        y = self.mot.normalise_target(k, v)
+        y_nat = self.mot.normalise_target(bt["tk"][:, idx], bt["tv"][:, idx])
+        err = ((y - y_nat) ** 2).mean(-1)  # [B, Lt, T]
+        m = bt["mask"][:, None, :].float()
+        return (err * m).sum() / (m.sum() * len(idx))
+
+    # ------------------------------------------------------------------ stage 1
+    def stage_regression(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
+        for step in range(start, steps):
+            recs = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(self.cfg.batch)]
+            bt = self.batch(recs)
+            keys, values, out = self.translate_batch(bt)
+            loss = self.regression_loss(keys, values, bt)
+            total = loss + self.cfg.aux_weight * out.aux_loss
+            opt.zero_grad()
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
+            opt.step()
+            self._after_step("regression", step, steps, {"loss": float(loss), "aux": float(out.aux_loss)}, ckpt)
+            if self._out_of_time():
+                break
+
+    # ------------------------------------------------------------------ stage 2
+    def attention_loss(self, keys: torch.Tensor, values: torch.Tensor, rec: dict[str, Any], b: int) -> torch.Tensor:
+        """Relative error of per-layer attention outputs over chunk K/V under native queries."""
+        spec, cfg = self.target.spec, self.mot.cfg
+        n = int(rec["tgt_ids"].numel())
+        pos = torch.arange(self.P, self.P + n)
+        j = 0 if "c0_q" in rec else None
+        if j is None:
+            return keys.new_zeros(())
+        q_all = rec[f"c{j}_q"].float()  # [L, Hq, C, D]
+        losses = []
+        for l in cfg.translated:
+            attn = self.ts.layers[l].self_attn
+            q = q_all[l]
+            k_nat = rotate(rec["tgt_k"][l].float(), pos, spec.rope[l])  # [H, T, D]
+            v_nat = rec["tgt_v"][l].float()
+            k_tr = rotate(keys[b, l, :, :n], pos, spec.rope[l])
+            v_tr = values[b, l, :, :n]
+            rep = q.shape[0] // k_nat.shape[0]
+            o_nat = torch.softmax(q @ k_nat.repeat_interleave(rep, 0).transpose(1, 2) * attn.scaling, -1) @ v_nat.repeat_interleave(rep, 0)
+            o_tr = torch.softmax(q @ k_tr.repeat_interleave(rep, 0).transpose(1, 2) * attn.scaling, -1) @ v_tr.repeat_interleave(rep, 0)
+            losses.append(((o_tr - o_nat) ** 2).sum() / (o_nat ** 2).sum().clamp(min=1e-8))
+        return torch.stack(losses).mean()
+
+    def stage_attention(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
+        for step in range(start, steps):
+            recs = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(max(1, self.cfg.batch // 2))]
+            bt = self.batch(recs)
+            keys, values, out = self.translate_batch(bt)
+            att = torch.stack([self.attention_loss(keys, values, r, i) for i, r in enumerate(recs)]).mean()
+            reg = self.regression_loss(keys, values, bt)
+            total = att + self.cfg.anchor_weight * reg + self.cfg.aux_weight * out.aux_loss
+            opt.zero_grad()
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
+            opt.step()
+            self._after_step("attention", step, steps, {"loss": float(att), "reg": float(reg)}, ckpt)
+            if self._out_of_time():
+                break
+
+    # ------------------------------------------------------------------ stage 3
+    def continuation_logits(self, keys: torch.Tensor, values: torch.Tensor, b: int, n: int, c_ids: torch.Tensor,
+                            keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The frozen target continues `c_ids` from prefix + translated chunk: logits `[N, V]`."""
+        k_all = torch.cat([self.pairs.prefix_k.float(), keys[b, :, :, :n]], 2)  # [L, H, P+T, D]
+        v_all = torch.cat([self.pairs.prefix_v.float(), values[b, :, :, :n]], 2)
+        dtype = next(self.target.model.parameters()).dtype
+        cache = build_cache(self.target.config, self.target.spec, k_all, v_all, torch.arange(self.P + n), dtype=dtype)
+        kw = {} if keep is None else {"logits_to_keep": keep}
+        return self.target.model(input_ids=c_ids[None], cache=cache, **kw).logits[0].float()
+
+    def e2e_loss(self, keys: torch.Tensor, values: torch.Tensor, rec: dict[str, Any], b: int, j: int) -> torch.Tensor:
+        n = int(rec["tgt_ids"].numel())
+        w = rec[f"c{j}_w"].float()
+        ans = rec[f"c{j}_ans"]
+        score = w + ans.float() * (w.max() + 1.0)  # answer positions always kept
+        sel = score.topk(min(self.cfg.kl_positions, score.numel())).indices.sort().values
+        logits = self.continuation_logits(keys, values, b, n, rec[f"c{j}_ids"], keep=sel)
+        kl = kl_topk(F.log_softmax(logits, -1), rec[f"c{j}_topi"][sel], rec[f"c{j}_topv"][sel].float())
+        weight = 0.05 + w[sel] / w[sel].sum().clamp(min=1e-6) + ans[sel].float() / max(1, int(ans[sel].sum()))
+        return (weight * kl).sum() / weight.sum()
+
+    def stage_e2e(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
+        for step in range(start, steps):
+            opt.zero_grad()
+            stats = {"loss": 0.0, "reg": 0.0}
+            for _ in range(self.cfg.e2e_accum):
+                rec = self.pairs[self.rng.randrange(len(self.pairs))]
+                if not rec["kinds"]:
+                    continue
+                j = self.rng.randrange(len(rec["kinds"]))
+                bt = self.batch([rec])
+                keys, values, out = self.translate_batch(bt)
+                kl = self.e2e_loss(keys, values, rec, 0, j)
+                reg = self.regression_loss(keys, values, bt)
+                total = kl + self.cfg.anchor_weight * reg + self.cfg.aux_weight * out.aux_loss
+                (total / self.cfg.e2e_accum).backward()
+                stats["loss"] += float(kl) / self.cfg.e2e_accum
+                stats["reg"] += float(reg) / self.cfg.e2e_accum
+            torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
+            opt.step()
+            self._after_step("e2e", step, steps, stats, ckpt)
+            if self._out_of_time():
+                break
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, pairs: PairSet | None = None, limit: int | None = None) -> dict[str, Any]:
+        """Held-out metrics (see module doc). Recovery = (translated - none) / (native - none)."""
+        pairs = pairs or self.heldout
+        self.mot.eval()
+        cfg = self.mot.cfg
+        n_items = min(len(pairs), limit or self.cfg.eval_samples)
+        sse = torch.zeros(cfg.tgt_layers)
+        sst = torch.zeros(cfg.tgt_layers)
+        att, kls, kls_w, ws = [], [], [], []
+        ll = {"tr": 0.0, "nat": 0.0, "none": 0.0, "n": 0}
+        top1 = {"tr": 0, "nat": 0, "none": 0, "n": 0}
+        for i in range(n_items):
+            rec = pairs[i]
+            bt = self.batch([rec])
+            keys, values, _ = self.translate_batch(bt)
+            n = int(rec["tgt_ids"].numel())
+            h, d = cfg.tgt_kv_heads, cfg.tgt_head_dim
+            k = keys[0].permute(0, 2, 1, 3).reshape(cfg.tgt_layers, n, h * d)  # [L, T, kv]
+            v = values[0].permute(0, 2, 1, 3).reshape(cfg.tgt_layers, n, h * d)
+            pred = torch.cat([k, v], -1)
+            nat = torch.cat([bt["tk"][0], bt["tv"][0]], -1)
+            mean = self.mot.tgt_mean[:, None, :]
+            sse += ((pred - nat) ** 2).sum((1, 2))
+            sst += ((nat - mean) ** 2).sum((1, 2))
+            att.append(float(self.attention_loss(keys, values, rec, 0)))
+            for j, kind in enumerate(rec["kinds"]):
+                logits = self.continuation_logits(keys, values, 0, n, rec[f"c{j}_ids"])[:-1]  # [C-1, V]
+                logq = F.log_softmax(logits, -1)
+                kl = kl_topk(logq, rec[f"c{j}_topi"], rec[f"c{j}_topv"].float())
+                w = rec[f"c{j}_w"].float()
+                kls.append(float(kl.mean()))
+                kls_w.append(float((kl * w).sum()))
+                ws.append(float(w.sum()))
+                if kind == "next":
+                    continue
+                ans = rec[f"c{j}_ans"]
+                gold = rec[f"c{j}_ids"][1:]
+                ll["tr"] += float(logq.gather(1, gold[:, None])[:, 0][ans].mean())
+                ll["nat"] += float(rec[f"c{j}_ll_nat"][ans].mean())
+                ll["none"] += float(rec[f"c{j}_ll_none"][ans].mean())
+                ll["n"] += 1
+                top1["tr"] += int((logq.argmax(-1)[ans] == gold[ans]).sum())
+                top1["nat"] += int((rec[f"c{j}_topi"][:, 0].long()[ans] == gold[ans]).sum())
+                top1["n"] += int(ans.sum())
+        self.mot.train()
+        r2 = (1 - sse / sst.clamp(min=1e-8)).tolist()
+        m = max(ll["n"], 1)
+        gap = (ll["nat"] - ll["none"]) / m
+        rec_ll = ((ll["tr"] - ll["none"]) / m) / gap if abs(gap) > 1e-9 else float("nan")
+        return {
+            "heldout_chunks": n_items,
+            "r2_per_layer": [round(x, 4) for x in r2],
+            "r2_mean_translated": round(sum(r2[l] for l in cfg.translated) / len(cfg.translated), 4),
+            "attention_rel_error": round(sum(att) / max(1, len(att)), 4),
+            "continuation_kl": round(sum(kls) / max(1, len(kls)), 4),
+            "continuation_kl_doc_weighted": round(sum(kls_w) / max(1e-9, sum(ws)), 4),
+            "answer_ll": {k: round(ll[k] / m, 4) for k in ("tr", "nat", "none")},
+            "answer_ll_recovery": round(rec_ll, 4),
+            "answer_top1": {k: round(top1[k] / max(1, top1["n"]), 4) for k in ("tr", "nat")},
+            "answers": ll["n"],
+        }
+
+    # ------------------------------------------------------------------ plumbing
+    def _after_step(self, stage: str, step: int, steps: int, stats: dict[str, float], ckpt: Callable | None) -> None:
+        if (step + 1) % self.cfg.log_every == 0 or step + 1 == steps:
+            rec = {"stage": stage, "step": step + 1, "of": steps, "t": round(time.time() - self.t_start, 1)}
+            rec.update({k: round(v, 5) for k, v in stats.items()})
+            self.log(rec)
+        if ckpt is not None and ((step + 1) % self.cfg.ckpt_every == 0 or step + 1 == steps):
+            ckpt(stage, step + 1)
+
+    def _out_of_time(self) -> bool:
+        return self.cfg.max_minutes > 0 and (time.time() - self.t_start) / 60 > self.cfg.max_minutes
+
+
+def stage_steps(cfg: TrainConfig) -> dict[str, int]:
+    return {"regression": cfg.steps_regression, "attention": cfg.steps_attention, "e2e": cfg.steps_e2e}
+
+
+def make_optimizer(mot: MoTTranslator, stage: str, cfg: TrainConfig) -> torch.optim.Optimizer:
+    lr = cfg.lr_e2e if stage == "e2e" else cfg.lr
+    return torch.optim.AdamW([p for p in mot.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+
+
+def train(source_name: str, target_name: str, cfg: TrainConfig, progress: bool = True) -> Path:
+    """Run (or resume) the whole pipeline into `cfg.out`; returns the artifact folder."""
+    from cagkv.translate.runner import run_training
+
+    return run_training(source_name, target_name, cfg, progress=progress)
+
+
+def cosine(step: int, steps: int) -> float:
+    return 0.5 * (1 + math.cos(math.pi * min(step, steps) / max(1, steps)))

@@ -1,0 +1,169 @@
+"""`Translator`: a trained MoT bound to its card; turns source KV blocks into target blocks.
+
+    translate(block, target)  one chunk
+    translate_many(blocks, target)  all retrieved chunks in one padded batch (one expert
+                                    dispatch for every token, layer group and slot)
+
+The returned `KVBlock` holds the target's tokens of the same chunk text, position-free
+keys (the engine rotates them with the target's RoPE at their assembled positions) and
+values, in the target model's dtype.
+
+Example:
+    >>> tr = find_translator(source.fingerprint, target.fingerprint)
+    >>> tblock = tr.translate(block, target)       # block made by the source model
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from cagkv.align import align_tokens, token_offsets
+from cagkv.errors import TranslatorError
+from cagkv.kv import KVBlock
+from cagkv.translate.features import TargetSide, source_features
+from cagkv.translate.mot import MoTOutput, MoTTranslator
+
+if TYPE_CHECKING:
+    from cagkv.models import LoadedModel
+
+__all__ = ["Translator", "TranslateInputs", "prepare_inputs", "assemble_kv"]
+
+
+class TranslateInputs:
+    """Padded batch of translator inputs on the target grid."""
+
+    def __init__(self, src: torch.Tensor, ids: torch.Tensor, offsets: list[torch.Tensor], lengths: list[int]):
+        self.src = src  # [B, T, F]
+        self.ids = ids  # [B, T] target ids (0 where padded)
+        self.offsets = offsets  # per block [T_b, 2]
+        self.lengths = lengths
+        self.mask = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+
+
+def prepare_inputs(
+    mot: MoTTranslator, src_blocks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    tgt_tokens: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> TranslateInputs:
+    """Align each source block `(keys, values, offsets)` onto its target tokens `(ids, offsets)`."""
+    used = mot.cfg.used_src
+    pooled, ids_list, offs, lengths = [], [], [], []
+    for (k, v, s_off), (t_ids, t_off) in zip(src_blocks, tgt_tokens):
+        feats = source_features(k, v, used)  # [S, F]
+        w = align_tokens(s_off, t_off)  # [T, S]
+        pooled.append(w @ feats)  # [T, F]
+        ids_list.append(t_ids)
+        offs.append(t_off)
+        lengths.append(int(t_ids.shape[0]))
+    t_max = max(lengths) if lengths else 0
+    f = pooled[0].shape[1] if pooled else 0
+    src = torch.zeros(len(pooled), t_max, f)
+    ids = torch.zeros(len(pooled), t_max, dtype=torch.int64)
+    for i, (p, t_ids) in enumerate(zip(pooled, ids_list)):
+        src[i, : p.shape[0]] = p
+        ids[i, : t_ids.shape[0]] = t_ids
+    return TranslateInputs(src, ids, offs, lengths)
+
+
+def assemble_kv(
+    mot: MoTTranslator, ts: TargetSide, out: MoTOutput, emb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoT output + exact layers -> keys, values `[B, L, H, T, D]` (differentiable)."""
+    cfg = mot.cfg
+    k_tr, v_tr = mot.decode(out.y)  # [B, Lt, T, kv]
+    b, _, t, _ = k_tr.shape
+    h, d = cfg.tgt_kv_heads, cfg.tgt_head_dim
+    k0, v0 = ts.exact_kv(emb, 0)  # [B, H, T, D]
+    keys, values = [], []
+    for layer in range(cfg.tgt_layers):
+        if layer in cfg.exact_layers:
+            keys.append(k0.to(k_tr.dtype))
+            values.append(v0.to(k_tr.dtype))
+            continue
+        i = cfg.translated.index(layer)
+        k = k_tr[:, i].reshape(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
+        v = v_tr[:, i].reshape(b, t, h, d).transpose(1, 2)
+        keys.append(ts.k_post(k, layer))
+        values.append(v)
+    return torch.stack(keys, 1), torch.stack(values, 1)  # [B, L, H, T, D]
+
+
+class Translator:
+    """A trained translator for one (source, target) model pair. See module doc."""
+
+    def __init__(self, model: MoTTranslator, card: dict[str, Any]) -> None:
+        self.model = model.eval()
+        self.card = card
+
+    @property
+    def source_fingerprint(self) -> str:
+        return str(self.card["source"]["fingerprint"])
+
+    @property
+    def target_fingerprint(self) -> str:
+        return str(self.card["target"]["fingerprint"])
+
+    @property
+    def quality(self) -> float | None:
+        """The held-out quality score `auto` compares with `auto_threshold`."""
+        value = self.card.get("quality", {}).get("value")
+        return None if value is None else float(value)
+
+    @property
+    def auto_threshold(self) -> float:
+        return float(self.card.get("quality", {}).get("auto_threshold", 1.0))
+
+    @property
+    def auto_ok(self) -> bool:
+        """True when the card's held-out quality reaches its recorded `auto` threshold."""
+        q = self.quality
+        return q is not None and q >= self.auto_threshold
+
+    def translate(self, block: KVBlock, target: LoadedModel) -> KVBlock:
+        """Translate one source block into the target's KV format (see module doc)."""
+        return self.translate_many([block], target)[0]
+
+    @torch.no_grad()
+    def translate_many(self, blocks: Sequence[KVBlock], target: LoadedModel) -> list[KVBlock]:
+        """Translate several blocks in one padded batch."""
+        self.check_models(blocks, target)
+        if not blocks:
+            return []
+        tgt_tokens = [token_offsets(target.tokenizer, b.text) for b in blocks]
+        empty = [i for i, (ids, _) in enumerate(tgt_tokens) if ids.numel() == 0 or blocks[i].num_tokens == 0]
+        if empty:
+            raise TranslatorError(f"cannot translate an empty chunk (block {empty[0]})")
+        inputs = prepare_inputs(self.model, [(b.keys, b.values, b.offsets) for b in blocks], tgt_tokens)
+        ts = TargetSide(target.model)
+        dtype = next(target.model.parameters()).dtype
+        emb = ts.embed(inputs.ids).float()
+        out = self.model(inputs.src, emb, inputs.mask)
+        keys, values = assemble_kv(self.model, ts, out, emb.to(dtype))
+        result = []
+        for i, block in enumerate(blocks):
+            n = inputs.lengths[i]
+            result.append(
+                KVBlock(
+                    keys=keys[i, :, :, :n].to(dtype).contiguous(),
+                    values=values[i, :, :, :n].to(dtype).contiguous(),
+                    token_ids=tgt_tokens[i][0],
+                    offsets=tgt_tokens[i][1],
+                    text=block.text,
+                    model_fingerprint=target.fingerprint,
+                    extra={"translated_from": block.model_fingerprint},
+                )
+            )
+        return result
+
+    def check_models(self, blocks: Sequence[KVBlock], target: LoadedModel) -> None:
+        """Refuse blocks or a target whose fingerprint differs from the card's."""
+        if target.fingerprint != self.target_fingerprint:
+            raise TranslatorError(
+                f"translator is for target model {self.target_fingerprint}, got {target.fingerprint} ({target.name})"
+            )
+        for b in blocks:
+            if b.model_fingerprint != self.source_fingerprint:
+                raise TranslatorError(
+                    f"translator is for source model {self.source_fingerprint}, block was made by {b.model_fingerprint}"
+                )

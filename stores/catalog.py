@@ -1,0 +1,237 @@
+"""The SQL catalog (SQLAlchemy 2): documents, chunks, models, translators, meta.
+
+SQLite in WAL mode at `<store>/catalog.db` by default; any SQLAlchemy URL (PostgreSQL
+for shared deployments). Readers get a snapshot per `read()` block (SQLite: an explicit
+BEGIN; PostgreSQL: REPEATABLE READ), so a search never mixes two committed states.
+
+Tables:
+    documents  (id, source unique, content_hash, metadata JSON, num_chars, created)
+    chunks     (id never reused, document_id, ord, text, start_char, end_char,
+                token_count, blob_key, checksum, nbytes, embedding float32 bytes)
+    models     (name, fingerprint, spec JSON)
+    translators(id, source_fp, target_fp, path, card JSON, created)
+    meta       (key, value JSON): schema_version, canonical, canonical_fingerprint,
+                embedder, embedding_dim, chunking, generation (bumped by every write)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Engine,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    inspect,
+    select,
+)
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from cagkv.errors import StoreError
+
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Document(Base):
+    __tablename__ = "documents"
+    __table_args__ = {"sqlite_autoincrement": True}
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source: Mapped[str] = mapped_column(String(4096), unique=True)
+    content_hash: Mapped[str] = mapped_column(String(64), index=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    num_chars: Mapped[int] = mapped_column(BigInteger, default=0)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Chunk(Base):
+    __tablename__ = "chunks"
+    # ids are never reused (sqlite_autoincrement): a stale FAISS id can't name a new chunk
+    __table_args__ = (UniqueConstraint("document_id", "ord"), {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id", ondelete="CASCADE"), index=True)
+    ord: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+    start_char: Mapped[int] = mapped_column(BigInteger)
+    end_char: Mapped[int] = mapped_column(BigInteger)
+    token_count: Mapped[int] = mapped_column(Integer)
+    blob_key: Mapped[str] = mapped_column(String(512), index=True)
+    checksum: Mapped[str] = mapped_column(String(64))
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    embedding: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Model(Base):
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Translator(Base):
+    __tablename__ = "translators"
+    __table_args__ = (UniqueConstraint("source_fp", "target_fp", "path"), {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source_fp: Mapped[str] = mapped_column(String(64), index=True)
+    target_fp: Mapped[str] = mapped_column(String(64), index=True)
+    path: Mapped[str] = mapped_column(String(4096))
+    card: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Meta(Base):
+    __tablename__ = "meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[Any] = mapped_column(JSON)
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def sqlite_url(path: str | Path) -> str:
+    return f"sqlite:///{Path(path)}"
+
+
+def redact(url: str) -> str:
+    """A database URL without its password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+
+
+class Catalog:
+    """Engine + sessions for one catalog URL; creates the tables when `create` is set."""
+
+    def __init__(self, url: str, create: bool = True) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        try:
+            self.engine = _make_engine(url)
+        except (ArgumentError, NoSuchModuleError, ValueError) as e:
+            raise StoreError(f"invalid database URL {redact(url)!r}: {_short(e)}") from None
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+        try:
+            with self.engine.connect() as conn:
+                has_meta = inspect(conn).has_table("meta")
+            if not has_meta and create:
+                Base.metadata.create_all(self.engine)
+                with self.write() as s:
+                    s.add(Meta(key="schema_version", value=SCHEMA_VERSION))
+                    s.add(Meta(key="generation", value=0))
+            elif not has_meta:
+                raise StoreError(f"no cagkv catalog at {redact(url)}")
+            version = self.get_meta("schema_version")
+        except OperationalError as e:
+            raise StoreError(f"cannot open catalog {redact(url)}: {_short(e)}") from None
+        if version != SCHEMA_VERSION:
+            raise StoreError(
+                f"catalog {redact(url)} has schema version {version!r}; this cagkv reads version {SCHEMA_VERSION}"
+            )
+
+    # ------------------------------------------------------------ sessions
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A read-only snapshot: every query inside sees one committed state."""
+        with self._session() as s:
+            if not self.is_sqlite:
+                s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            try:
+                yield s
+            finally:
+                s.rollback()
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """One transaction: committed on success, rolled back on any error."""
+        with self._session() as s, s.begin():
+            yield s
+
+    # ------------------------------------------------------------ meta
+    def get_meta(self, key: str, default: Any = None, session: Session | None = None) -> Any:
+        if session is not None:
+            row = session.get(Meta, key)
+            return default if row is None else row.value
+        with self.read() as s:
+            return self.get_meta(key, default, s)
+
+    @staticmethod
+    def set_meta(session: Session, key: str, value: Any) -> None:
+        row = session.get(Meta, key)
+        if row is None:
+            session.add(Meta(key=key, value=value))
+        else:
+            row.value = value
+
+    @staticmethod
+    def bump_generation(session: Session) -> int:
+        """Increment the write generation inside the caller's transaction; return the new value."""
+        row = session.execute(select(Meta).where(Meta.key == "generation").with_for_update()).scalar_one()
+        row.value = int(row.value) + 1
+        return row.value
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _make_engine(url: str) -> Engine:
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (snapshot reads)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+    return engine
+
+
+def _short(e: BaseException) -> str:
+    msg = str(getattr(e, "orig", None) or e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Catalog",
+    "Chunk",
+    "Document",
+    "Meta",
+    "Model",
+    "SQLAlchemyError",
+    "Translator",
+    "now",
+    "redact",
+    "sqlite_url",
+]

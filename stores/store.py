@@ -1,0 +1,785 @@
+"""CacheStore: the facade that keeps catalog, blobs and the FAISS index consistent.
+
+Layout of a store folder:
+    catalog.db             SQLite catalog (WAL) unless a `db_url` points elsewhere
+    blobs/xx/<sha256>.kv   one safetensors KV block per chunk, content-addressed
+    vectors.safetensors    the persisted FAISS index (+ the catalog generation it reflects)
+    write.lock             inter-process writer lock (fcntl); readers never take it
+
+Write order (one document at a time, `add_document`): blobs (atomic files) -> one
+catalog transaction (rows + generation bump) -> index update -> removal of blobs no
+longer referenced. A crash at any point leaves a store that opens and never shows a
+chunk whose blob is missing: uncommitted blobs are orphans (`doctor --repair` collects
+them), a stale index is detected by its generation and rebuilt from the embeddings the
+catalog keeps.
+
+Readers take no lock: each search runs in one catalog snapshot with an index of that
+snapshot's generation (rebuilt in memory when the file lags), and `retrieve` retries
+when a writer removed a chunk between search and load.
+
+Example:
+    >>> store = CacheStore.open("~/.cache/cagkv/store", canonical="smollm2-135m", fingerprint=fp)
+    >>> store.add_document("a.txt", text, {"title": "A"}, [(chunk, block), ...])
+    >>> hits = store.search("who wrote it?", k=3)
+    >>> blocks = store.load_blocks([h.chunk_id for h in hits])
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from cagkv.errors import CorruptBlobError, StoreError, UsageError
+from cagkv.kv import KVBlock
+
+from .blobs import BlobStore, check_key, open_blob_store, sha256
+from .catalog import Catalog, Chunk, Document, Model, Translator, now, redact, sqlite_url
+from .embed import DEFAULT_EMBEDDER, Embedder, make_embedder, normalise
+from .vectors import CorruptIndexError, VectorIndex
+
+INDEX_FILE = "vectors.safetensors"
+LOCK_FILE = "write.lock"
+MAX_SOURCE_CHARS = 4096
+MAX_METADATA_BYTES = 256 * 1024
+MAX_TEXT_CHARS = 200_000_000
+FAULT_POINTS = (
+    "before_blobs",
+    "mid_blobs",
+    "after_blobs",
+    "before_commit",
+    "after_commit",
+    "before_index_save",
+    "after_index_save",
+    "mid_old_blob_delete",
+    "remove_after_commit",
+    "remove_before_blob_delete",
+)
+
+
+class ChunksChangedError(StoreError):
+    """A chunk found by a search was removed by a writer before its blob was read."""
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a fault point when `CAGKV_FAULT=<point>:raise` (tests only)."""
+
+
+class TextChunkLike(Protocol):
+    text: str
+    start: int
+    end: int
+
+
+@dataclass
+class Hit:
+    chunk_id: int
+    document_id: int
+    score: float
+    text: str
+    source: str
+    ord: int
+
+
+@dataclass
+class AddResult:
+    document_id: int
+    status: str  # "added" | "replaced" | "unchanged"
+    chunks: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class DocumentInfo:
+    id: int
+    source: str
+    content_hash: str
+    metadata: dict[str, Any]
+    chunks: int
+    tokens: int
+    nbytes: int
+    created: str
+
+
+@dataclass
+class Problem:
+    kind: str  # missing_blob | corrupt_blob | orphan_blob | temp_file | index | bad_row
+    message: str
+    document: str | None = None
+    chunk: int | None = None
+
+
+@dataclass
+class DoctorReport:
+    ok: bool
+    checked_chunks: int
+    problems: list[Problem] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checked_chunks": self.checked_chunks,
+            "problems": [p.__dict__ for p in self.problems],
+            "repaired": self.repaired,
+        }
+
+
+def content_hash(text: str) -> str:
+    """sha256 of the UTF-8 text: the document identity for idempotent ingest."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def blob_key(data: bytes) -> str:
+    digest = sha256(data)
+    return f"{digest[:2]}/{digest}.kv"
+
+
+def _fault(point: str) -> None:
+    """Test hook: `CAGKV_FAULT=point[:exit|:raise]` kills the process (like kill -9) or raises here."""
+    spec = os.environ.get("CAGKV_FAULT")
+    if not spec:
+        return
+    name, _, action = spec.partition(":")
+    if name != point:
+        return
+    if action == "raise":
+        raise FaultInjected(f"fault injected at {point}")
+    os._exit(137)
+
+
+class CacheStore:
+    """Catalog + blobs + FAISS index of one store. Open with `CacheStore.open`."""
+
+    def __init__(
+        self,
+        path: Path,
+        catalog: Catalog,
+        blobs: BlobStore,
+        embedder: Embedder | None,
+        quantize: str | None,
+        lock_timeout: float,
+    ) -> None:
+        self.path = path
+        self.catalog = catalog
+        self.blobs = blobs
+        self.quantize = quantize
+        self.lock_timeout = lock_timeout
+        self._embedder = embedder
+        self._index: VectorIndex | None = None
+        self._lock_depth = 0
+        self._lock_fd: int | None = None
+        self._thread_lock = threading.RLock()
+        self._defer_index_save = 0
+
+    # ================================================================ opening
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        db_url: str | None = None,
+        canonical: str | None = None,
+        *,
+        fingerprint: str | None = None,
+        embedder: str | Embedder | None = None,
+        blob_url: str | None = None,
+        create: bool = True,
+        quantize: str | None = None,
+        lock_timeout: float = 120.0,
+    ) -> CacheStore:
+        """Open (or create) the store at `path`.
+
+        Args:
+            path: the store folder (blobs, index, lock and, by default, the SQLite catalog).
+            db_url: a SQLAlchemy URL for the catalog (default `sqlite:///<path>/catalog.db`).
+            canonical, fingerprint: the canonical model; recorded on first use, and a
+                store made with another canonical model (or fingerprint) is refused.
+            embedder: an embedder name (`minilm-l6`, `hash-64`) or object; recorded at creation.
+            blob_url: an fsspec URL for the blobs (default `<path>/blobs`).
+            create: create a missing store (else StoreError).
+            quantize: None or "int8" for blocks written by this handle.
+        """
+        if quantize not in (None, "int8"):
+            raise UsageError(f"quantize must be one of None, 'int8'; got {quantize!r}")
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            if not create:
+                raise StoreError(f"no cagkv store at {root}")
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"cannot create store {root}: {e.strerror or e}") from None
+        if create and not os.access(root, os.W_OK):
+            raise StoreError(f"store {root} is not writable")
+        if db_url is None and not create and not (root / "catalog.db").exists():
+            raise StoreError(f"no cagkv store at {root} (no catalog.db)")
+        catalog = Catalog(db_url or sqlite_url(root / "catalog.db"), create=create)
+        try:
+            blobs = open_blob_store(blob_url or root / "blobs")
+            store = cls(root, catalog, blobs, None, quantize, lock_timeout)
+            store._check_identity(canonical, fingerprint, embedder)
+        except BaseException:
+            catalog.close()
+            raise
+        return store
+
+    def _check_identity(self, canonical: str | None, fingerprint: str | None, embedder: str | Embedder | None) -> None:
+        emb_name = embedder if isinstance(embedder, str) else getattr(embedder, "name", None)
+        with self.catalog.read() as s:
+            meta = {k: self.catalog.get_meta(k, session=s) for k in ("canonical", "canonical_fingerprint", "embedder")}
+        if canonical is not None and meta["canonical"] not in (None, canonical):
+            raise StoreError(
+                f"store {self.path} was made with canonical model {meta['canonical']!r}, not {canonical!r}"
+            )
+        if fingerprint is not None and meta["canonical_fingerprint"] not in (None, fingerprint):
+            raise StoreError(
+                f"store {self.path} was made with canonical fingerprint {meta['canonical_fingerprint']}, "
+                f"not {fingerprint}: the model changed since ingest"
+            )
+        if emb_name is not None and meta["embedder"] not in (None, emb_name):
+            raise StoreError(f"store {self.path} uses embedder {meta['embedder']!r}, not {emb_name!r}")
+        if embedder is not None and not isinstance(embedder, str):
+            self._embedder = embedder
+        updates: dict[str, Any] = {}
+        if meta["canonical"] is None and canonical is not None:
+            updates["canonical"] = canonical
+        if meta["canonical_fingerprint"] is None and fingerprint is not None:
+            updates["canonical_fingerprint"] = fingerprint
+        if meta["embedder"] is None:
+            emb = self._embedder or make_embedder(emb_name or DEFAULT_EMBEDDER)
+            self._embedder = emb
+            updates["embedder"] = emb.name
+            updates["embedding_dim"] = int(emb.dim)
+        if updates:
+            with self._write_lock(), self.catalog.write() as s:
+                for k, v in updates.items():
+                    if self.catalog.get_meta(k, session=s) is None:
+                        self.catalog.set_meta(s, k, v)
+
+    # ================================================================ properties
+    @property
+    def canonical(self) -> str | None:
+        return self.catalog.get_meta("canonical")
+
+    @property
+    def canonical_fingerprint(self) -> str | None:
+        return self.catalog.get_meta("canonical_fingerprint")
+
+    @property
+    def embedding_dim(self) -> int:
+        return int(self.catalog.get_meta("embedding_dim"))
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = make_embedder(self.catalog.get_meta("embedder") or DEFAULT_EMBEDDER)
+        return self._embedder
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """Record a store-wide setting (e.g. `chunking`); JSON-serialisable values only."""
+        if key in ("schema_version", "generation", "canonical", "canonical_fingerprint", "embedder", "embedding_dim"):
+            raise UsageError(f"meta key {key!r} is managed by the store")
+        _check_json(value, "meta value")
+        with self._write_lock(), self.catalog.write() as s:
+            self.catalog.set_meta(s, key, value)
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        return self.catalog.get_meta(key, default)
+
+    # ================================================================ locking
+    @contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """Exclusive inter-process writer lock (fcntl on `write.lock`); re-entrant in-process."""
+        with self._thread_lock:
+            if self._lock_depth == 0:
+                try:
+                    fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:
+                    raise StoreError(f"store {self.path} is not writable: {e.strerror}") from None
+                deadline = time.monotonic() + self.lock_timeout
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            os.close(fd)
+                            raise StoreError(
+                                f"store {self.path} is busy: another process holds its write lock"
+                            ) from None
+                        time.sleep(0.02)
+                self._lock_fd = fd
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+                if self._lock_depth == 0 and self._lock_fd is not None:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+
+    @contextmanager
+    def batch(self) -> Iterator[CacheStore]:
+        """Hold the write lock across several writes and save the index once at the end."""
+        with self._write_lock():
+            self._defer_index_save += 1
+            try:
+                yield self
+            finally:
+                self._defer_index_save -= 1
+                if self._defer_index_save == 0 and self._index is not None:
+                    self._save_index()
+
+    # ================================================================ index
+    def _index_path(self) -> Path:
+        return self.path / INDEX_FILE
+
+    def _index_for(self, s: Session, generation: int) -> VectorIndex:
+        """An index that reflects exactly the catalog snapshot `s` at `generation`."""
+        if self._index is not None and self._index.generation == generation:
+            return self._index
+        if VectorIndex.read_generation(self._index_path()) == generation:
+            try:
+                idx = VectorIndex.load(self._index_path())
+                n = s.scalar(select(func.count(Chunk.id))) or 0
+                if idx.generation == generation and idx.ntotal == n and idx.dim == self.embedding_dim:
+                    self._index = idx
+                    return idx
+            except CorruptIndexError:
+                pass
+        self._index = self._build_index(s, generation)
+        return self._index
+
+    def _build_index(self, s: Session, generation: int) -> VectorIndex:
+        dim = self.embedding_dim
+        ids, vecs = [], []
+        for cid, emb in s.execute(select(Chunk.id, Chunk.embedding).order_by(Chunk.id)):
+            v = np.frombuffer(emb, dtype=np.float32)
+            if v.shape != (dim,):
+                raise StoreError(f"chunk {cid} has an embedding of {v.size} values, expected {dim}")
+            ids.append(cid)
+            vecs.append(v)
+        mat = np.stack(vecs) if vecs else np.zeros((0, dim), np.float32)  # [N, dim]
+        return VectorIndex.build(dim, np.asarray(ids, np.int64), mat, generation)
+
+    def _writer_index(self) -> VectorIndex:
+        """Under the write lock: the index of the latest committed state (rebuilt + saved if stale)."""
+        with self.catalog.read() as s:
+            gen = int(self.catalog.get_meta("generation", session=s))
+            idx = self._index_for(s, gen)
+        if VectorIndex.read_generation(self._index_path()) != gen and not self._defer_index_save:
+            self._save_index()
+        return idx
+
+    def _save_index(self) -> None:
+        assert self._index is not None
+        _fault("before_index_save")
+        self._index.save(self._index_path())
+        _fault("after_index_save")
+
+    # ================================================================ writing
+    def has_document(self, source: str, text: str) -> bool:
+        """True when `source` is stored with exactly this text (ingest would be skipped)."""
+        with self.catalog.read() as s:
+            h = s.scalar(select(Document.content_hash).where(Document.source == source))
+        return h == content_hash(text)
+
+    def add_document(
+        self,
+        source: str,
+        text: str,
+        metadata: dict[str, Any] | None,
+        chunks: Iterable[tuple[TextChunkLike, KVBlock]],
+        embeddings: np.ndarray | None = None,
+    ) -> AddResult:
+        """Store one document's chunks atomically; idempotent by (source, content hash).
+
+        Args:
+            source: the document's identity (path or URI); a new text for a known source
+                replaces its chunks in one transaction.
+            text: the full document text (hashed; chunks point into it by char offsets).
+            metadata: JSON-serialisable, at most 256 KiB.
+            chunks: `(TextChunk(text, start, end), KVBlock)` pairs in document order; may be
+                a generator (each block is serialised and released before the next).
+            embeddings: `[N, dim]` chunk embeddings; computed with the store's embedder
+                from the chunk texts when None.
+        """
+        _check_text(source, "source", MAX_SOURCE_CHARS)
+        if not source.strip():
+            raise UsageError("document source must not be empty")
+        _check_text(text, "document text", MAX_TEXT_CHARS)
+        metadata = dict(metadata or {})
+        _check_json(metadata, "document metadata")
+        chash = content_hash(text)
+        with self._write_lock():
+            with self.catalog.read() as s:
+                old = s.execute(select(Document.id, Document.content_hash).where(Document.source == source)).first()
+            if old is not None and old.content_hash == chash:
+                return AddResult(int(old.id), "unchanged")
+            canon_fp = self.canonical_fingerprint
+            rows: list[dict[str, Any]] = []
+            texts: list[str] = []
+            _fault("before_blobs")
+            for i, (chunk, block) in enumerate(chunks):
+                rows.append(self._put_chunk(i, chunk, block, text, canon_fp))
+                canon_fp = canon_fp or block.model_fingerprint
+                texts.append(chunk.text)
+                if i == 0:
+                    _fault("mid_blobs")
+            _fault("after_blobs")
+            vecs = self._chunk_embeddings(texts, embeddings)
+            idx = self._writer_index()
+            with self.catalog.write() as s:
+                old_ids, old_keys = self._delete_document_rows(s, source)
+                if self.catalog.get_meta("canonical_fingerprint", session=s) is None and canon_fp:
+                    self.catalog.set_meta(s, "canonical_fingerprint", canon_fp)
+                doc = Document(source=source, content_hash=chash, meta=metadata, num_chars=len(text), created=now())
+                s.add(doc)
+                s.flush()
+                chunk_rows = [Chunk(document_id=doc.id, embedding=v.tobytes(), **r) for r, v in zip(rows, vecs, strict=True)]
+                s.add_all(chunk_rows)
+                s.flush()
+                new_ids = [c.id for c in chunk_rows]
+                gen = self.catalog.bump_generation(s)
+                doc_id = int(doc.id)
+                _fault("before_commit")
+            _fault("after_commit")
+            idx.remove(old_ids)
+            idx.add(np.asarray(new_ids, np.int64), vecs)
+            idx.generation = gen
+            if not self._defer_index_save:
+                self._save_index()
+            self._collect_blobs(old_keys - {r["blob_key"] for r in rows}, "mid_old_blob_delete")
+        status = "replaced" if old is not None else "added"
+        return AddResult(doc_id, status, len(rows), sum(r["token_count"] for r in rows), sum(r["nbytes"] for r in rows))
+
+    def _put_chunk(self, i: int, chunk: TextChunkLike, block: KVBlock, text: str, canon_fp: str | None) -> dict[str, Any]:
+        if not isinstance(block, KVBlock):
+            raise UsageError(f"chunk {i}: expected a KVBlock, got {type(block).__name__}")
+        if canon_fp is not None and block.model_fingerprint != canon_fp:
+            raise StoreError(
+                f"chunk {i}: block made by model {block.model_fingerprint}, the store's canonical model is {canon_fp}"
+            )
+        start, end = int(chunk.start), int(chunk.end)
+        if not (0 <= start <= end <= len(text)) or text[start:end] != chunk.text:
+            raise UsageError(f"chunk {i}: span {start}:{end} does not match the chunk text in the document")
+        if block.text != chunk.text:
+            raise UsageError(f"chunk {i}: the KV block's text differs from the chunk text")
+        data = block.to_bytes(quantize=self.quantize)
+        key = blob_key(data)
+        checksum = self.blobs.put(key, data)  # content-addressed: rewriting identical bytes is harmless
+        return {
+            "ord": i,
+            "text": chunk.text,
+            "start_char": start,
+            "end_char": end,
+            "token_count": block.num_tokens,
+            "blob_key": key,
+            "checksum": checksum,
+            "nbytes": len(data),
+        }
+
+    def _chunk_embeddings(self, texts: list[str], embeddings: np.ndarray | None) -> np.ndarray:
+        dim = self.embedding_dim
+        if embeddings is None:
+            vecs = self.embedder.embed(texts) if texts else np.zeros((0, dim), np.float32)
+        else:
+            vecs = np.asarray(embeddings, dtype=np.float32)
+        if vecs.shape != (len(texts), dim):
+            raise UsageError(f"embeddings must be [{len(texts)}, {dim}], got {list(vecs.shape)}")
+        if not np.isfinite(vecs).all():
+            raise UsageError("embeddings hold NaN or Inf")
+        return np.ascontiguousarray(normalise(vecs))
+
+    def _delete_document_rows(self, s: Session, source: str | int) -> tuple[list[int], set[str]]:
+        """Delete a document and its chunks inside `s`; return (chunk ids, blob keys)."""
+        cond = Document.id == source if isinstance(source, int) else Document.source == source
+        doc_id = s.scalar(select(Document.id).where(cond))
+        if doc_id is None:
+            return [], set()
+        old = s.execute(select(Chunk.id, Chunk.blob_key).where(Chunk.document_id == doc_id)).all()
+        s.execute(delete(Chunk).where(Chunk.document_id == doc_id))
+        s.execute(delete(Document).where(Document.id == doc_id))
+        return [r.id for r in old], {r.blob_key for r in old}
+
+    def _collect_blobs(self, keys: Iterable[str], fault_point: str) -> None:
+        """Remove blobs that no committed chunk references any more (shared blobs are kept)."""
+        for n, key in enumerate(sorted(keys)):
+            with self.catalog.read() as s:
+                used = s.scalar(select(func.count(Chunk.id)).where(Chunk.blob_key == key))
+            if not used:
+                self.blobs.remove(key)
+            if n == 0:
+                _fault(fault_point)
+
+    def remove(self, document: int | str) -> int:
+        """Remove a document (by id or source) with its chunks, vectors and blobs; return chunks removed."""
+        with self._write_lock():
+            idx = self._writer_index()
+            with self.catalog.write() as s:
+                exists = s.scalar(
+                    select(Document.id).where(
+                        Document.id == document if isinstance(document, int) else Document.source == document
+                    )
+                )
+                if exists is None:
+                    raise UsageError(f"no document {document!r} in store {self.path}")
+                ids, keys = self._delete_document_rows(s, document)
+                gen = self.catalog.bump_generation(s)
+            _fault("remove_after_commit")
+            idx.remove(ids)
+            idx.generation = gen
+            if not self._defer_index_save:
+                self._save_index()
+            _fault("remove_before_blob_delete")
+            self._collect_blobs(keys, "mid_old_blob_delete")
+        return len(ids)
+
+    # ================================================================ reading
+    def search(
+        self, question: str | np.ndarray, k: int = 3, document_ids: Sequence[int] | None = None
+    ) -> list[Hit]:
+        """Top-k chunks for a question (text or a `[dim]` embedding), best first, in one snapshot."""
+        if isinstance(question, str):
+            if not question.strip():
+                raise UsageError("the question is empty")
+            q = self.embedder.embed([question])[0]
+        else:
+            q = normalise(np.asarray(question, dtype=np.float32).reshape(-1))
+            if q.shape != (self.embedding_dim,) or not np.isfinite(q).all():
+                raise UsageError(f"question embedding must be [{self.embedding_dim}] finite values")
+        if k <= 0:
+            return []
+        with self.catalog.read() as s:
+            gen = int(self.catalog.get_meta("generation", session=s))
+            idx = self._index_for(s, gen)
+            allowed = None
+            if document_ids is not None:
+                allowed = s.scalars(select(Chunk.id).where(Chunk.document_id.in_(list(document_ids)))).all()
+            found = idx.search(q, k, allowed)
+            if not found:
+                return []
+            rows = {
+                r.id: r
+                for r in s.execute(
+                    select(Chunk.id, Chunk.document_id, Chunk.text, Chunk.ord, Document.source)
+                    .join(Document, Document.id == Chunk.document_id)
+                    .where(Chunk.id.in_([cid for cid, _ in found]))
+                )
+            }
+        return [
+            Hit(cid, rows[cid].document_id, score, rows[cid].text, rows[cid].source, rows[cid].ord)
+            for cid, score in found
+            if cid in rows
+        ]
+
+    def load_blocks(self, chunk_ids: Sequence[int]) -> list[KVBlock]:
+        """The KV blocks of `chunk_ids`, in that order; every blob checked against its checksum."""
+        ids = [int(c) for c in chunk_ids]
+        with self.catalog.read() as s:
+            rows = {
+                r.id: r
+                for r in s.execute(
+                    select(Chunk.id, Chunk.ord, Chunk.text, Chunk.blob_key, Chunk.checksum, Document.source)
+                    .join(Document, Document.id == Chunk.document_id)
+                    .where(Chunk.id.in_(ids))
+                )
+            }
+        missing = [c for c in ids if c not in rows]
+        if missing:
+            raise ChunksChangedError(f"chunks {missing[:5]} are not in store {self.path} (removed?)")
+        canon_fp = self.canonical_fingerprint
+        return [self._load_one(rows[c], canon_fp) for c in ids]
+
+    def _load_one(self, row: Any, canon_fp: str | None) -> KVBlock:
+        where = f"document {row.source!r} chunk {row.ord} (id {row.id})"
+        try:
+            data = self.blobs.get(check_key(row.blob_key), expected_sha=row.checksum)
+        except ValueError:
+            raise CorruptBlobError(f"{where}: invalid blob key {row.blob_key!r}") from None
+        except CorruptBlobError as e:
+            raise CorruptBlobError(f"{where}: {e}") from None
+        if data is None:
+            with self.catalog.read() as s:
+                still = s.get(Chunk, row.id) is not None
+            if not still:
+                raise ChunksChangedError(f"{where} was removed while reading")
+            raise CorruptBlobError(f"{where}: blob {row.blob_key} is missing (run `cagkv doctor --repair`)")
+        try:
+            block = KVBlock.from_bytes(data)
+        except CorruptBlobError as e:
+            raise CorruptBlobError(f"{where}: {e}") from None
+        if canon_fp is not None and block.model_fingerprint != canon_fp:
+            raise CorruptBlobError(f"{where}: block made by model {block.model_fingerprint}, store's is {canon_fp}")
+        if block.text != row.text:
+            raise CorruptBlobError(f"{where}: block text differs from the catalog's chunk text")
+        return block
+
+    def retrieve(
+        self, question: str | np.ndarray, k: int = 3, document_ids: Sequence[int] | None = None, retries: int = 5
+    ) -> list[tuple[Hit, KVBlock]]:
+        """`search` + `load_blocks` that retries when a concurrent writer removed a hit."""
+        for attempt in range(retries + 1):
+            hits = self.search(question, k, document_ids)
+            try:
+                return list(zip(hits, self.load_blocks([h.chunk_id for h in hits]), strict=True))
+            except ChunksChangedError:
+                if attempt == retries:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def get_document(self, document: int | str) -> DocumentInfo:
+        cond = Document.id == document if isinstance(document, int) else Document.source == document
+        docs = self._documents(cond)
+        if not docs:
+            raise UsageError(f"no document {document!r} in store {self.path}")
+        return docs[0]
+
+    def list_documents(self) -> list[DocumentInfo]:
+        return self._documents(None)
+
+    def _documents(self, cond: Any) -> list[DocumentInfo]:
+        q = (
+            select(
+                Document,
+                func.count(Chunk.id),
+                func.coalesce(func.sum(Chunk.token_count), 0),
+                func.coalesce(func.sum(Chunk.nbytes), 0),
+            )
+            .outerjoin(Chunk, Chunk.document_id == Document.id)
+            .group_by(Document.id)
+            .order_by(Document.id)
+        )
+        if cond is not None:
+            q = q.where(cond)
+        with self.catalog.read() as s:
+            return [
+                DocumentInfo(d.id, d.source, d.content_hash, dict(d.meta or {}), int(n), int(t), int(b), d.created.isoformat())
+                for d, n, t, b in s.execute(q)
+            ]
+
+    def chunks_of(self, document: int | str) -> list[Hit]:
+        """Every chunk of a document in order (score 0): what `native` mode prefills."""
+        doc = self.get_document(document)
+        with self.catalog.read() as s:
+            rows = s.execute(
+                select(Chunk.id, Chunk.text, Chunk.ord).where(Chunk.document_id == doc.id).order_by(Chunk.ord)
+            ).all()
+        return [Hit(r.id, doc.id, 0.0, r.text, doc.source, r.ord) for r in rows]
+
+    def stats(self) -> dict[str, Any]:
+        with self.catalog.read() as s:
+            docs = s.scalar(select(func.count(Document.id))) or 0
+            n, tokens, nbytes = s.execute(
+                select(func.count(Chunk.id), func.coalesce(func.sum(Chunk.token_count), 0), func.coalesce(func.sum(Chunk.nbytes), 0))
+            ).one()
+            meta = {k: self.catalog.get_meta(k, session=s) for k in ("canonical", "canonical_fingerprint", "embedder", "embedding_dim", "generation", "schema_version", "chunking")}
+        return {
+            "path": str(self.path),
+            "catalog": redact(self.catalog.url),
+            "blobs": self.blobs.url,
+            "documents": int(docs),
+            "chunks": int(n),
+            "tokens": int(tokens),
+            "bytes": int(nbytes),
+            **meta,
+        }
+
+    # ================================================================ translators (next issue)
+    def register_model(self, name: str, fingerprint: str, spec: dict[str, Any] | None = None) -> None:
+        _check_json(spec or {}, "model spec")
+        with self._write_lock(), self.catalog.write() as s:
+            row = s.get(Model, name)
+            if row is None:
+                s.add(Model(name=name, fingerprint=fingerprint, spec=spec or {}))
+            else:
+                row.fingerprint, row.spec = fingerprint, spec or {}
+
+    def add_translator(self, source_fp: str, target_fp: str, path: str, card: dict[str, Any]) -> int:
+        _check_json(card, "translator card")
+        with self._write_lock(), self.catalog.write() as s:
+            row = s.scalar(
+                select(Translator).where(
+                    Translator.source_fp == source_fp, Translator.target_fp == target_fp, Translator.path == path
+                )
+            )
+            if row is None:
+                row = Translator(source_fp=source_fp, target_fp=target_fp, path=path, card=card, created=now())
+                s.add(row)
+            else:
+                row.card = card
+            s.flush()
+            return int(row.id)
+
+    def translators(self, source_fp: str, target_fp: str) -> list[dict[str, Any]]:
+        """Registered translators for exactly this model pair, newest first."""
+        with self.catalog.read() as s:
+            rows = s.scalars(
+                select(Translator)
+                .where(Translator.source_fp == source_fp, Translator.target_fp == target_fp)
+                .order_by(Translator.id.desc())
+            ).all()
+            return [{"id": r.id, "path": r.path, "card": r.card, "created": r.created.isoformat()} for r in rows]
+
+    # ================================================================ doctor
+    def doctor(self, repair: bool = False, verify_blobs: bool = True) -> DoctorReport:
+        """Check catalog, blobs and index agree; with `repair`, fix what was found.
+
+        Finds: chunks whose blob is missing, corrupt (checksum, format, NaN/Inf, wrong
+        model or text), orphan blobs, temporary files, an index that is missing, corrupt
+        or stale. Repair quarantines bad blobs and removes the affected documents (their
+        rows; re-ingest restores them), deletes orphans and temp files, and rebuilds the index.
+        """
+        from .doctor import run_doctor
+
+        with self._write_lock():
+            return run_doctor(self, repair, verify_blobs)
+
+    # ================================================================ closing
+    def close(self) -> None:
+        self.blobs.close()
+        self.catalog.close()
+
+    def __enter__(self) -> CacheStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_text(s: Any, what: str, limit: int) -> None:
+    if not isinstance(s, str):
+        raise UsageError(f"{what} must be a string, got {type(s).__name__}")
+    if len(s) > limit:
+        raise UsageError(f"{what} is too long ({len(s)} characters, limit {limit})")
+    if "\x00" in s:
+        raise UsageError(f"{what} contains a NUL character")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{what} is not valid Unicode (lone surrogates)") from None
+
+
+def _check_json(value: Any, what: str) -> None:
+    try:
+        raw = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{what} must be JSON-serialisable: {e}") from None
+    _check_text(raw, what, MAX_METADATA_BYTES)
+    if len(raw.encode("utf-8")) > MAX_METADATA_BYTES:
+        raise UsageError(f"{what} is too large ({len(raw.encode())} bytes, limit {MAX_METADATA_BYTES})")

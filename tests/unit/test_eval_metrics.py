@@ -1,0 +1,245 @@
+"""Metrics, datasets and report: hand-worked examples and synthetic inputs, no models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cagkv.errors import UsageError
+from cagkv.eval.datasets import load_dataset, read_examples, sample_examples, unique_contexts
+from cagkv.eval.metrics import (
+    answer_span,
+    bootstrap_mean,
+    exact_match,
+    normalize_answer,
+    recovery,
+    recovery_ratio,
+    token_f1,
+)
+from cagkv.eval.report import build_report, complete_ids, to_markdown
+
+# ------------------------------------------------------------------ normalisation, EM, F1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The Denver Broncos!", "denver broncos"),
+        ("  an   Apple, a day ", "apple day"),
+        ("Theater", "theater"),  # 'the' only as a whole word
+        ("U.S.A.", "usa"),
+        ("", ""),
+        ("A", ""),
+    ],
+)
+def test_normalize_answer(text: str, expected: str) -> None:
+    assert normalize_answer(text) == expected
+
+
+def test_exact_match_any_gold() -> None:
+    assert exact_match("the Broncos", ["Denver Broncos", "Broncos"]) == 1.0
+    assert exact_match("Denver", ["Denver Broncos", "Broncos"]) == 0.0
+
+
+def test_f1_hand_worked() -> None:
+    # pred tokens {denver, broncos, won}; gold {denver, broncos}: P = 2/3, R = 1, F1 = 0.8
+    assert token_f1("Denver Broncos won", ["Denver Broncos"]) == pytest.approx(0.8)
+    # repeated tokens count once per occurrence: pred "a b b" vs gold "b b c" after normalisation
+    # ("a" is an article, dropped): pred [b, b], gold [b, b, c]: P = 1, R = 2/3, F1 = 0.8
+    assert token_f1("a b b", ["b b c"]) == pytest.approx(0.8)
+    assert token_f1("cat", ["dog"]) == 0.0
+
+
+def test_f1_takes_best_gold() -> None:
+    golds = ["Carolina Panthers", "the Panthers", "Panthers of Carolina"]
+    # vs "the Panthers" -> [panthers] exact -> 1.0, beats the others
+    assert token_f1("Panthers", golds) == 1.0
+    # "Carolina" vs gold 1: P 1, R 1/2 -> 2/3; vs gold 3 [panthers, of, carolina]: P1 R1/3 -> 0.5
+    assert token_f1("Carolina", golds) == pytest.approx(2 / 3)
+
+
+def test_f1_empty_cases() -> None:
+    assert token_f1("", ["answer"]) == 0.0
+    assert token_f1("the", ["a"]) == 1.0  # both normalise to nothing
+    assert token_f1("x", []) == 0.0
+
+
+def test_answer_span_first_line() -> None:
+    assert answer_span("\n  Denver Broncos \nQuestion: who") == "Denver Broncos"
+    assert answer_span("   ") == ""
+
+
+# ------------------------------------------------------------------ bootstrap and recovery
+
+
+def test_bootstrap_mean_contains_mean_and_is_seeded() -> None:
+    values = list(np.random.default_rng(1).normal(2.0, 1.0, size=400))
+    a = bootstrap_mean(values, seed=3)
+    b = bootstrap_mean(values, seed=3)
+    assert a == b
+    assert a.lo < a.value < a.hi
+    assert a.value == pytest.approx(float(np.mean(values)))
+    # the 95 % interval of a mean of 400 N(2, 1) draws is about +-1.96/20 = +-0.098
+    assert 0.15 < a.hi - a.lo < 0.25
+
+
+def test_bootstrap_mean_drops_missing_and_handles_empty() -> None:
+    assert bootstrap_mean([1.0, None, float("nan"), 3.0]).value == 2.0
+    empty = bootstrap_mean([None])
+    assert math.isnan(empty.value) and empty.as_list() == [None, None]
+
+
+def test_bootstrap_constant_values_give_zero_width() -> None:
+    interval = bootstrap_mean([0.5] * 50)
+    assert interval.lo == interval.hi == 0.5
+
+
+def test_recovery_ratio_arithmetic() -> None:
+    assert recovery_ratio(0.5, 0.2, 0.8) == pytest.approx(0.5)
+    assert recovery_ratio(0.8, 0.2, 0.8) == pytest.approx(1.0)
+    assert recovery_ratio(0.2, 0.2, 0.8) == pytest.approx(0.0)
+    assert recovery_ratio(0.1, 0.2, 0.8) == pytest.approx(-1 / 6)
+    assert math.isnan(recovery_ratio(0.5, 0.4, 0.4))
+    # lower-is-better metrics work too: KL none 2.0, native 0, mode 0.5 -> 75 %
+    assert recovery_ratio(0.5, 2.0, 0.0) == pytest.approx(0.75)
+
+
+def test_recovery_paired_interval_on_synthetic_data() -> None:
+    rng = np.random.default_rng(0)
+    n = 300
+    difficulty = rng.normal(0.0, 1.0, size=n)  # shared per-example effect, cancels when paired
+    none = difficulty
+    native = difficulty + 1.0 + rng.normal(0, 0.1, size=n)
+    mode = difficulty + 0.6 + rng.normal(0, 0.1, size=n)
+    r = recovery(list(mode), list(none), list(native), seed=0)
+    assert r.value == pytest.approx((mode.mean() - none.mean()) / (native.mean() - none.mean()))
+    assert r.lo < 0.6 < r.hi
+    # paired resampling: the big shared effect does not widen the interval
+    assert r.hi - r.lo < 0.05
+
+
+def test_recovery_identity_cases() -> None:
+    none = [0.0, 0.0, 1.0, 0.0]
+    native = [1.0, 1.0, 1.0, 0.0]
+    full = recovery(native, none, native)
+    assert full.value == pytest.approx(1.0)
+    assert full.lo == pytest.approx(1.0) and full.hi == pytest.approx(1.0)
+    assert recovery(none, none, native).value == pytest.approx(0.0)
+
+
+def test_recovery_undefined_and_mismatched() -> None:
+    same = [0.3, 0.6]
+    assert math.isnan(recovery(same, same, same).value)
+    with pytest.raises(ValueError):
+        recovery([1.0], [1.0, 2.0], [1.0])
+
+
+def test_recovery_drops_examples_missing_in_any_mode() -> None:
+    r = recovery([0.5, None], [0.0, 0.0], [1.0, 0.0])
+    assert r.value == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------ datasets
+
+
+def _write(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _rows(n: int) -> list[dict]:
+    return [
+        {"id": f"q{i}", "dataset": "toy", "context": f"ctx {i // 2}", "question": f"q {i}?",
+         "answers": [f"a{i}"], "answer_type": "extractive", "meta": {"i": i}}
+        for i in range(n)
+    ]
+
+
+def test_read_and_sample(tmp_path) -> None:
+    path = tmp_path / "toy.jsonl"
+    _write(path, _rows(20))
+    examples = read_examples(path)
+    assert [e.id for e in examples] == [f"q{i}" for i in range(20)]
+    assert examples[3].answers == ("a3",) and examples[3].meta == {"i": 3}
+    a = sample_examples(examples, 5, seed=7)
+    assert a == sample_examples(examples, 5, seed=7)
+    assert a != sample_examples(examples, 5, seed=8)
+    # the sample of 5 is a prefix of the sample of 10 with the same seed
+    assert sample_examples(examples, 10, seed=7)[:5] == a
+    assert len(load_dataset(path, limit=None, seed=0)) == 20
+    assert unique_contexts(examples[:5]) == ["ctx 0", "ctx 1", "ctx 2"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "not valid JSON"),
+        (json.dumps({"id": "x", "context": "c", "question": "q"}), "missing keys"),
+        (json.dumps({"id": "x", "context": "c", "question": "q", "answers": []}), "non-empty list"),
+        (json.dumps({"id": "x", "context": "c", "question": " ", "answers": ["a"]}), "empty question"),
+    ],
+)
+def test_read_rejects_bad_lines(tmp_path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(UsageError, match=message):
+        read_examples(path)
+
+
+def test_read_rejects_missing_file_and_duplicates(tmp_path) -> None:
+    with pytest.raises(UsageError, match="not found"):
+        read_examples(tmp_path / "nope.jsonl")
+    path = tmp_path / "dup.jsonl"
+    _write(path, _rows(2) + _rows(1))
+    with pytest.raises(UsageError, match="duplicate id"):
+        read_examples(path)
+    with pytest.raises(UsageError, match="positive"):
+        sample_examples([], 0)
+
+
+# ------------------------------------------------------------------ report
+
+
+def _synthetic_rows(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        for mode, em, f1, lp in (("none", 0.0, 0.1, -3.0), ("native", 1.0, 0.9, -1.0),
+                                 ("translate", float(i % 2), 0.5, -2.0)):
+            rows.append({"id": f"q{i}", "mode": mode, "em": em, "f1": f1, "answer_logprob": lp,
+                         "ttft_ms": 10.0, "timings_ms": {"prefill": 4.0, "first_token": 6.0}})
+    return rows
+
+
+def test_report_keys_values_and_recovery() -> None:
+    rows = _synthetic_rows(10)
+    rows.append({"id": "partial", "mode": "none", "em": 0.0, "f1": 0.0, "answer_logprob": -1.0})
+    kl_rows = [{"mode": m, "window": w, "kl": k} for w in range(4)
+               for m, k in (("none", 2.0), ("native", 0.0), ("translate", 0.5))]
+    report = build_report(rows, dataset="toy", canonical="a", target="b",
+                          modes=["none", "native", "translate"], kl_rows=kl_rows)
+    assert {"dataset", "canonical", "target", "n", "modes", "recovery", "examples"} <= set(report)
+    assert report["n"] == 10  # the partial example is not paired, so not counted
+    assert len(report["examples"]) == 30
+    assert report["modes"]["native"]["em"] == 1.0
+    assert report["modes"]["translate"]["em"] == pytest.approx(0.5)
+    assert report["modes"]["native"]["timings_ms"]["prefill"] == 4.0
+    assert report["modes"]["native"]["timings_ms"]["load"] is None
+    rec = report["recovery"]["translate"]
+    assert set(rec) >= {"em", "em_ci", "f1", "f1_ci", "answer_logprob", "answer_logprob_ci", "kl"}
+    assert rec["em"] == pytest.approx(0.5)
+    assert rec["f1"] == pytest.approx(0.5)
+    assert rec["answer_logprob"] == pytest.approx(0.5)
+    assert rec["kl"] == pytest.approx(0.75)
+    assert "none" not in report["recovery"] and "native" not in report["recovery"]
+    json.dumps(report, allow_nan=False)  # strict JSON: no NaN anywhere
+    md = to_markdown(report)
+    assert "| translate |" in md and "Recovery" in md and "n = 10" in md
+
+
+def test_report_without_baselines_has_no_recovery() -> None:
+    rows = [r for r in _synthetic_rows(3) if r["mode"] != "none"]
+    report = build_report(rows, dataset="t", canonical="a", target="b", modes=["native", "translate"])
+    assert report["recovery"] == {}
+    assert complete_ids(rows, ["native", "translate"]) == ["q0", "q1", "q2"]

@@ -1,0 +1,256 @@
+"""The evaluation runner end to end on tiny random models, a hash embedder and temp stores."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cagkv.eval.runner import EvalConfig, PartialResults, answer_ids, run_eval
+from cagkv.errors import UsageError
+from cagkv.pipeline import CAG
+from cagkv.prefill import prefill_chunks
+from cagkv.prompt import PromptFormat
+from engine_helpers import make_model_dir
+
+CONTEXTS = [
+    "The lighthouse keeper lived on the island for thirty years. Every night he lit the lamp.",
+    "Paris is the capital of France. It is known for the Eiffel Tower. The river is the Seine.",
+    "In 1912 the ship sailed from Southampton to New York with many people on board.",
+]
+QUESTIONS = [
+    (0, "How long did the keeper live there?", ["thirty years"]),
+    (0, "What did he light?", ["the lamp", "lamp"]),
+    (1, "What is the capital of France?", ["Paris"]),
+    (1, "Which river flows there?", ["the Seine"]),
+    (2, "Where did the ship sail to?", ["New York"]),
+]
+KL_TEXT = " ".join(
+    "Alice was beginning to get very tired of sitting by her sister on the bank. "
+    "The quick brown fox jumps over the lazy dog. Is it raining? Yes, it is raining today."
+    .split(". ") * 3
+)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cagkv_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CAGKV_HOME", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def models(home):
+    return {
+        "llama": str(make_model_dir(home / "m", "llama", chat=True)),
+        "gemma": str(make_model_dir(home / "m", "gemma3_text", chat=False)),
+    }
+
+
+@pytest.fixture()
+def dataset(tmp_path):
+    path = tmp_path / "toy.jsonl"
+    rows = [
+        {"id": f"q{i}", "dataset": "toy", "context": CONTEXTS[c], "question": q, "answers": a,
+         "answer_type": "extractive", "meta": {}}
+        for i, (c, q, a) in enumerate(QUESTIONS)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def config(dataset, models, tmp_path, **kw) -> EvalConfig:
+    base = dict(dataset=str(dataset), canonical=models["llama"], target=models["llama"],
+                modes=["none", "native", "canonical"], seed=1, max_new_tokens=4, n_boot=200,
+                dtype="float32", ingest_dtype="float32", embedder="hash-64",
+                out=str(tmp_path / "out" / "results.json"), markdown=str(tmp_path / "out" / "results.md"))
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def quality(report):
+    return {(r["id"], r["mode"]): (r["prediction"], r["em"], r["f1"], r["answer_logprob"])
+            for r in report["examples"]}
+
+
+def test_report_has_every_key_and_canonical_matches_native(dataset, models, tmp_path):
+    cfg = config(dataset, models, tmp_path, store=str(tmp_path / "evalstore"))
+    report = run_eval(cfg, progress=False)
+    assert {"dataset", "canonical", "target", "n", "modes", "recovery", "examples"} <= set(report)
+    assert report["dataset"] == "toy" and report["n"] == len(QUESTIONS)
+    for mode in cfg.modes:
+        m = report["modes"][mode]
+        for key in ("em", "f1", "answer_logprob", "ttft_ms", "em_ci", "f1_ci", "answer_logprob_ci"):
+            assert key in m
+        assert set(m["timings_ms"]) >= {"retrieve", "load", "translate", "replay", "prefill", "first_token"}
+    assert set(report["recovery"]) == {"canonical"}
+    assert set(report["recovery"]["canonical"]) >= {"em", "f1", "answer_logprob", "f1_ci"}
+    rows = {(r["id"], r["mode"]): r for r in report["examples"]}
+    assert len(rows) == len(QUESTIONS) * 3
+    for (qid, mode), row in rows.items():
+        assert {"prediction", "em", "f1", "answer_logprob", "ttft_ms", "timings_ms", "sources"} <= set(row)
+        if mode != "none":
+            assert row["retrieval_hit"] is True  # oracle retrieval: the example's own context
+        # canonical mode (float32 ingest) is the same cache as a native prefill
+        if mode == "canonical":
+            native = rows[(qid, "native")]
+            assert row["answer_logprob"] == pytest.approx(native["answer_logprob"], abs=2e-3)
+            assert row["prediction"] == native["prediction"]
+    assert report["recovery"]["canonical"]["answer_logprob"] == pytest.approx(1.0, abs=0.02)
+    # the none mode reads no document, so its gold log-prob differs from native
+    assert any(abs(rows[(i, "none")]["answer_logprob"] - rows[(i, "native")]["answer_logprob"]) > 1e-2
+               for i in {q for q, _ in rows})
+    # contexts shared by several questions are ingested once
+    from cagkv.stores import CacheStore
+
+    store = CacheStore.open(tmp_path / "evalstore" / "store", create=False)
+    assert len(store.list_documents()) == len(CONTEXTS)
+    store.close()
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["n"] == report["n"] and saved["config"]["header"]["seed"] == 1
+    assert not (tmp_path / "out" / "results.json.partial.jsonl").exists()
+    assert "| canonical |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_answer_logprob_equals_a_plain_forward(dataset, models, tmp_path):
+    """Teacher forcing after the prepared cache == one forward over prompt + answer."""
+    from cagkv.eval.runner import answer_logprob
+    from cagkv.ingest import ingest_text
+    from cagkv.models import load
+    from cagkv.stores import CacheStore
+
+    loaded = load(models["gemma"])
+    store = CacheStore.open(tmp_path / "s", canonical=models["gemma"], fingerprint=loaded.fingerprint,
+                            embedder="hash-64")
+    doc = ingest_text(store, CONTEXTS[1], "d", loaded=loaded).document_id
+    cag = CAG(store, canonical=models["gemma"])
+    prepared = cag.prepare("What is the capital of France?", mode="native", document_ids=[doc])
+    got = answer_logprob(prepared, "Paris")
+    fmt = PromptFormat.for_model(loaded)
+    prompt = fmt.context_prefix_ids() + fmt.chunk_ids(CONTEXTS[1]) + fmt.separator_ids()
+    prompt += fmt.question_suffix_ids("What is the capital of France?")
+    assert prompt[: prepared.next_position] + prepared.prompt_ids == prompt
+    gold = answer_ids(loaded.tokenizer, prompt, "Paris")
+    assert loaded.tokenizer.decode(gold) == " Paris"  # base layout: after "Answer:" comes a space
+    with torch.no_grad():
+        logits = loaded.model(input_ids=torch.tensor([prompt + gold])).logits[0]
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
+    expected = float(logp.gather(1, torch.tensor(gold)[:, None]).mean())
+    assert got == pytest.approx(expected, abs=1e-4)
+    # the prepared cache is left untouched for generate()
+    assert prepared.cache.get_seq_length() == prepared.next_position
+    store.close()
+
+
+class CountingEngine(CAG):
+    """A CAG that counts generate calls and can fail after a given number (an interruption)."""
+
+    calls = 0
+    fail_after: int | None = None
+
+    def generate(self, prepared, max_new_tokens=64):
+        type(self).calls += 1
+        if self.fail_after is not None and type(self).calls > self.fail_after:
+            raise KeyboardInterrupt
+        return super().generate(prepared, max_new_tokens)
+
+
+def test_resume_after_interruption_gives_the_same_results(dataset, models, tmp_path):
+    full = run_eval(config(dataset, models, tmp_path / "a"), progress=False)
+    cfg = config(dataset, models, tmp_path / "b")
+
+    def engine(fail_after):
+        def make(store):
+            CountingEngine.calls, CountingEngine.fail_after = 0, fail_after
+            return CountingEngine(store, canonical=cfg.canonical, dtype=cfg.dtype)
+        return make
+
+    n_modes = len(cfg.modes)
+    # warm-up answers once per mode, then 7 rows are written before the interruption
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(cfg, progress=False, engine_factory=engine(n_modes + 7))
+    partial = tmp_path / "b" / "out" / "results.json.partial.jsonl"
+    lines = partial.read_text().splitlines()
+    assert json.loads(lines[0])["header"] == cfg.header() and len(lines) == 1 + 7
+    with partial.open("a") as handle:  # a line torn by the interruption is recomputed
+        handle.write('{"kind": "qa", "id": "q')
+    resumed = run_eval(cfg, progress=False, engine_factory=engine(None))
+    assert CountingEngine.calls == n_modes + len(QUESTIONS) * n_modes - 7
+    assert quality(resumed) == quality(full)
+    assert resumed["recovery"] == full["recovery"]
+    # a finished results file is resumed from too: nothing left to compute
+    again = run_eval(cfg, progress=False, engine_factory=engine(0))
+    assert quality(again) == quality(full)
+
+
+def test_larger_limit_and_extra_mode_reuse_earlier_rows(dataset, models, tmp_path):
+    small = run_eval(config(dataset, models, tmp_path, limit=2, modes=["none", "native"]), progress=False)
+    assert small["n"] == 2 and small["recovery"] == {}
+    CountingEngine.calls, CountingEngine.fail_after = 0, None
+    cfg = config(dataset, models, tmp_path, limit=3, modes=["none", "native", "canonical"])
+    big = run_eval(cfg, progress=False,
+                   engine_factory=lambda s: CountingEngine(s, canonical=cfg.canonical, dtype="float32"))
+    # 3 warm-up answers + 1 new example x 3 modes + 2 old examples x 1 new mode
+    assert CountingEngine.calls == 3 + 3 + 2
+    assert big["n"] == 3
+    assert quality(small).items() <= quality(big).items()
+
+
+def test_other_settings_refuse_to_resume(tmp_path):
+    path = tmp_path / "r.partial.jsonl"
+    PartialResults.open(path, {"seed": 0})
+    with pytest.raises(UsageError, match="other settings"):
+        PartialResults.open(path, {"seed": 1})
+
+
+class PrefillTranslator:
+    """A perfect 'translator': the target's own prefill of the block's text."""
+
+    def good_enough(self):
+        return True, "test"
+
+    def translate(self, block, target):
+        return prefill_chunks(target, [block.text])[0]
+
+
+def test_cross_model_translate_open_retrieval_and_kl_text(dataset, models, tmp_path):
+    text = tmp_path / "heldout.txt"
+    text.write_text(KL_TEXT, encoding="utf-8")
+    cfg = config(dataset, models, tmp_path, target=models["gemma"], modes=["none", "native", "translate"],
+                 retrieval="open", top_k=1, kl_text=str(text), kl_windows=2, kl_context_tokens=24,
+                 kl_continuation_tokens=8)
+    report = run_eval(cfg, progress=False, engine_factory=lambda s: CAG(
+        s, canonical=cfg.canonical, find_translator=lambda a, b: PrefillTranslator()))
+    rows = {(r["id"], r["mode"]): r for r in report["examples"]}
+    assert all(r["retrieval_hit"] in (True, False) for (i, m), r in rows.items() if m != "none")
+    # a perfect translator reproduces native prefill for single-chunk contexts
+    for (qid, mode), row in rows.items():
+        if mode == "translate" and rows[(qid, "native")]["sources"] == row["sources"]:
+            assert row["answer_logprob"] == pytest.approx(rows[(qid, "native")]["answer_logprob"], abs=2e-3)
+    kl = report["modes"]
+    assert kl["native"]["kl"] == 0.0 and kl["translate"]["kl"] == pytest.approx(0.0, abs=1e-3)
+    assert kl["none"]["kl"] > 1e-3
+    assert report["recovery"]["translate"]["kl"] == pytest.approx(1.0, abs=0.01)
+    assert len(report["kl_rows"]) == 2 * 3
+    assert not math.isnan(report["modes"]["none"]["f1"])
+
+
+def test_cli_eval(dataset, models, tmp_path):
+    from cagkv.cli.app import app
+
+    out = tmp_path / "cli.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--dataset", str(dataset), "--limit", "2", "--canonical", models["llama"],
+        "--modes", "none,native", "--max-new-tokens", "3", "--embedder", "hash-64",
+        "--out", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["n"] == 2 and set(saved["modes"]) == {"none", "native"}
+    assert "| native |" in result.output
+    bad = CliRunner().invoke(app, ["eval", "--dataset", str(dataset), "--retrieval", "magic"])
+    assert bad.exit_code != 0

@@ -1,0 +1,224 @@
+"""The engine on tiny random models and temporary stores: ingest -> ask in every mode.
+
+The central check: in `canonical` mode the assembled cache (native prefix + stored
+position-free block re-rotated + native separator) equals a native prefill of the same
+ids, so greedy answers are the identical tokens and next-token logits agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cagkv.errors import StoreError, TranslatorError, UsageError
+from cagkv.ingest import collect_sources, ingest, ingest_sources, ingest_text
+from cagkv.pipeline import CAG, TIMING_KEYS
+from cagkv.prefill import prefill_chunks
+from cagkv.prompt import PromptFormat
+from engine_helpers import make_model_dir
+
+DOC_A = (
+    "The lighthouse keeper lived on the island for thirty years. Every night he lit the lamp "
+    "at sunset. Ships passed safely because of the light."
+)
+DOC_B = "Paris is the capital of France. It is known for the Eiffel Tower. The river is the Seine."
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cagkv_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CAGKV_HOME", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def models(home):
+    return {
+        "llama": str(make_model_dir(home / "m", "llama", chat=True)),
+        "qwen2": str(make_model_dir(home / "m", "qwen2", chat=True)),
+        "gemma": str(make_model_dir(home / "m", "gemma3_text", chat=False)),
+    }
+
+
+def make_store(tmp_path, canonical, docs, chunk_tokens=256):
+    for i, text in enumerate(docs):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    report = ingest([str(tmp_path / f"doc{i}.txt") for i in range(len(docs))], tmp_path / "store",
+                    canonical=canonical, chunk_tokens=chunk_tokens, dtype="float32",
+                    embedder="hash-64", progress=False)  # fmt: skip
+    return report, CAG.open(str(tmp_path / "store"))
+
+
+def native_logits(cag, target, chunk_texts, question):
+    """Next-token logits after a plain prefill of prefix + chunks + suffix."""
+    loaded = cag.model(target)
+    ids = PromptFormat.for_model(loaded).prompt_ids(chunk_texts, question)
+    with torch.no_grad():
+        return loaded.model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def prepared_logits(cag, prepared):
+    with torch.no_grad():
+        out = prepared.target.model(
+            input_ids=torch.tensor([prepared.prompt_ids]),
+            cache=prepared.cache,
+            position_ids=torch.arange(prepared.next_position, prepared.next_position + len(prepared.prompt_ids))[None],
+        )
+    return out.logits[0, -1]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_canonical_equals_native_prefill_for_one_chunk(tmp_path, models, family):
+    doc = DOC_A if family == "llama" else DOC_A + " " + DOC_B  # gemma: longer than its 8-token window
+    report, cag = make_store(tmp_path, models[family], [doc])
+    assert report.documents == 1 and report.chunks == 1
+    q = "How long did the keeper live there?"
+    canon = cag.ask(q, mode="canonical", max_new_tokens=12)
+    native = cag.ask(q, mode="native", max_new_tokens=12)
+    assert canon.mode == "canonical" and native.mode == "native"
+    assert len(canon.token_ids) >= 3  # a real answer, not an immediate stop
+    assert canon.token_ids == native.token_ids and canon.text == native.text
+    assert canon.tokens == native.tokens
+    # the assembled cache is the native one: the next-token logits agree
+    prepared = cag.prepare(q, mode="canonical")
+    assert prepared.context_tokens == canon.tokens["context"] > 20
+    torch.testing.assert_close(prepared_logits(cag, prepared), native_logits(cag, models[family], [doc], q),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+def test_multi_chunk_assembly_matches_independent_prefill(tmp_path, models):
+    # Two chunks prefilled independently: equal to a native prefill where chunk 2 cannot see chunk 1.
+    report, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    assert report.documents == 2 and report.chunks >= 4
+    answer = cag.ask("What is the capital of France?", mode="canonical", top_k=3, max_new_tokens=4)
+    assert len(answer.sources) == 3
+    assert len({s.chunk for s in answer.sources}) == 3
+    loaded = cag.model(models["llama"])
+    fmt = PromptFormat.for_model(loaded)
+    sep = fmt.separator_ids()
+    expected = sum(len(fmt.chunk_ids(s.text)) + len(sep) for s in answer.sources)
+    assert answer.tokens["context"] == expected
+    assert answer.tokens["prompt"] == len(fmt.prompt_ids([s.text for s in answer.sources], "What is the capital of France?"))
+    native = cag.ask("What is the capital of France?", mode="native", top_k=3, max_new_tokens=4)
+    assert native.tokens == answer.tokens and [s.chunk for s in native.sources] == [s.chunk for s in answer.sources]
+
+
+def test_none_mode_and_timings(tmp_path, models):
+    _, cag = make_store(tmp_path, models["llama"], [DOC_A])
+    answer = cag.ask("Who lit the lamp?", mode="none", max_new_tokens=5)
+    assert answer.mode == "none" and answer.sources == [] and answer.tokens["context"] == 0
+    full = cag.ask("Who lit the lamp?", mode="auto", max_new_tokens=5)
+    assert full.mode == "canonical" and "canonical" in full.mode_reason
+    assert set(full.timings_ms) == set(TIMING_KEYS)
+    assert all(v >= 0 for v in full.timings_ms.values())
+    assert full.timings_ms["retrieve"] > 0 and full.timings_ms["load"] > 0 and full.timings_ms["prefill"] > 0
+    assert full.timings_ms["first_token"] <= full.timings_ms["total"]
+    d = full.to_dict()
+    assert set(d) == {"answer", "target", "mode", "sources", "timings_ms"}
+    assert set(d["sources"][0]) == {"document", "chunk", "score"}
+
+
+def test_auto_uses_native_for_another_target_and_says_so(tmp_path, models):
+    _, cag = make_store(tmp_path, models["llama"], [DOC_A])
+    answer = cag.ask("Who lit the lamp?", target=models["qwen2"], max_new_tokens=6)
+    assert answer.mode == "native" and "no translator" in answer.mode_reason
+    assert answer.target == "qwen2-chat-0"
+    with pytest.raises(TranslatorError, match="no translator"):
+        cag.ask("Who lit the lamp?", target=models["qwen2"], mode="translate")
+    with pytest.raises(UsageError, match="canonical"):
+        cag.ask("Who lit the lamp?", target=models["qwen2"], mode="canonical")
+
+
+class PrefillTranslator:
+    """A perfect 'translator': the target's own prefill of the block text (after its prefix)."""
+
+    def __init__(self, ok=True):
+        self.ok, self.calls = ok, 0
+
+    def good_enough(self):
+        return self.ok, "test card"
+
+    def translate(self, block, target):
+        self.calls += 1
+        return prefill_chunks(target, [block.text])[0]
+
+
+@pytest.mark.parametrize("target", ["qwen2", "gemma"])
+def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models, target):
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    translator = PrefillTranslator()
+    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    q = "Why did ships pass safely?"
+    # one chunk: the translated cache is then exactly the target's own prefill
+    tr = cag.ask(q, target=models[target], max_new_tokens=8, top_k=1)
+    assert tr.mode == "translate" and translator.calls == 1
+    native = cag.ask(q, target=models[target], mode="native", max_new_tokens=8, top_k=1)
+    assert tr.token_ids == native.token_ids and tr.tokens == native.tokens
+    assert tr.timings_ms["translate"] > 0 and native.timings_ms["translate"] == 0
+    # a card below the threshold: auto falls back to native and says why
+    cag_low = CAG(base.store, find_translator=lambda src, tgt: PrefillTranslator(ok=False))
+    low = cag_low.ask(q, target=models[target], max_new_tokens=2)
+    assert low.mode == "native" and "threshold" in low.mode_reason
+
+
+def test_stream_yields_the_answer(tmp_path, models):
+    _, cag = make_store(tmp_path, models["gemma"], [DOC_A])
+    stream = cag.ask_stream("Who lit the lamp?", mode="canonical", max_new_tokens=10)
+    pieces = list(stream)
+    answer = stream.answer
+    assert answer is not None and answer.mode == "canonical"
+    assert "".join(pieces).strip() == answer.text
+    assert answer.text == cag.ask("Who lit the lamp?", mode="canonical", max_new_tokens=10).text
+    assert "\n" not in answer.text  # base models stop at the end of the answer line
+
+
+def test_bad_questions_and_options(tmp_path, models):
+    _, cag = make_store(tmp_path, models["llama"], [DOC_A])
+    for bad in ("", "   \n"):
+        with pytest.raises(UsageError, match="empty question"):
+            cag.ask(bad)
+    with pytest.raises(UsageError, match="unknown mode"):
+        cag.ask("q?", mode="fast")
+    with pytest.raises(UsageError, match="top_k"):
+        cag.ask("q?", top_k=0)
+    with pytest.raises(UsageError, match="max_new_tokens"):
+        cag.ask("q?", max_new_tokens=0)
+    with pytest.raises(UsageError, match="replay"):
+        cag.ask("q?", replay=2, mode="native")
+
+
+def test_ingest_is_idempotent_and_replaces_changed_files(tmp_path, models):
+    report, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    store = cag.store
+    before = store.stats()
+    again = ingest([str(tmp_path / "doc0.txt"), str(tmp_path / "doc1.txt")], tmp_path / "store",
+                   dtype="float32", progress=False)  # fmt: skip
+    assert again.documents == 0 and again.skipped == 2 and again.chunks == 0
+    assert store.stats()["chunks"] == before["chunks"]
+    (tmp_path / "doc0.txt").write_text("A different text. It has two sentences.")
+    changed = ingest([str(tmp_path / "doc0.txt")], tmp_path / "store", dtype="float32", progress=False)
+    assert changed.documents == 1 and changed.chunks == 1
+    docs = {d.source: d for d in store.list_documents()}
+    assert len(docs) == 2 and docs[str((tmp_path / "doc0.txt").resolve())].chunks == 1
+    assert store.doctor().ok
+
+
+def test_ingest_refuses_another_canonical_model(tmp_path, models):
+    make_store(tmp_path, models["llama"], [DOC_A])
+    with pytest.raises(StoreError, match="canonical"):
+        ingest([str(tmp_path / "doc0.txt")], tmp_path / "store", canonical=models["qwen2"], progress=False)
+
+
+def test_ingest_text_with_presplit_chunks_and_stdin(tmp_path, models):
+    _, cag = make_store(tmp_path, models["llama"], [DOC_A])
+    chunks = ["Paris is the capital of France.", "The river is the Seine."]
+    result = ingest_text(cag.store, "\n\n".join(chunks), "nodes://x", metadata={"k": "v"}, chunks=chunks,
+                         dtype="float32")  # fmt: skip
+    assert result.status == "added" and result.chunks == 2
+    import io
+
+    sources = collect_sources(["-"], stdin=io.BytesIO(b"Read from standard input. Twice."))
+    report = ingest_sources(cag.store, cag.model(models["llama"]), sources, progress=False)
+    assert report.documents == 1 and report.sources == ["<stdin>"]
+    assert {d.source for d in cag.store.list_documents()} >= {"nodes://x", "<stdin>"}
