@@ -37,9 +37,16 @@ def eval_command(
     store: str = typer.Option(None, "--store", help="Keep the evaluation store here (default: temporary)."),
     out: str = typer.Option(None, "--out", help="Results JSON (a rerun resumes from it)."),
     markdown: str = typer.Option(None, "--markdown", help="Also write a markdown table."),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0: torch's default)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Compare modes on a QA set: EM, F1, answer log-prob, recovery, TTFT split."""
+    if threads < 0:
+        raise UsageError(f"--threads must be >= 0, got {threads}")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     from cagkv.eval.report import to_markdown
     from cagkv.eval.runner import EvalConfig, command_line, run_eval
 

@@ -9,7 +9,7 @@ LLM and embedding defaults point at the same local models.
 Run (after `scripts/setup.sh` and `cagkv pull`):
     .venv/bin/python examples/llamaindex_query_engine.py
     .venv/bin/python examples/llamaindex_query_engine.py --target gemma3-270m \
-        --question "Who is the narrator?" --store /tmp/cagkv-llamaindex
+        --question "What does break do?" --store /tmp/cagkv-llamaindex
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from cagkv.pipeline import CAG
 from cagkv.stores import CacheStore
 
 HERE = Path(__file__).resolve().parent
-QUESTIONS = ["What is this text about?", "Who is the main character?"]
+QUESTIONS = [
+    "What happens when a pass statement is executed?",
+    "Which loop does a break statement terminate?",
+]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -54,7 +57,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     Settings.embed_model = CagkvEmbedding()
 
     # 2. A LlamaIndex reader, then an IngestionPipeline that ends in the cagkv store.
-    documents = SimpleDirectoryReader(args.docs, required_exts=[".txt", ".md"]).load_data()
+    documents = SimpleDirectoryReader(
+        args.docs, required_exts=[".txt", ".md"], exclude=["SOURCES.md"]
+    ).load_data()
     store = CacheStore.open(store_dir, canonical=args.canonical)
     pipeline = IngestionPipeline(
         transformations=[
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         response = engine.query(question)
         meta = response.metadata or {}
         print(f"\nQ: {question}\nA: {str(response).strip()}")
-        print(f"   target={meta['target']} mode={meta['mode']} timings_ms={meta['timings_ms']}")
+        timings = " ".join(f"{k}={v:.0f}" for k, v in meta["timings_ms"].items())
+        print(f"   target={meta['target']} mode={meta['mode']} ({meta['mode_reason']})")
+        print(f"   timings_ms: {timings}")
         for source in response.source_nodes:
             name = Path(source.node.metadata.get("file_name", "?")).name
             print(f"   [{source.score:.3f}] {name} node {source.node.node_id[:8]}: "

@@ -184,6 +184,7 @@ class CacheStore:
         self._lock_fd: int | None = None
         self._thread_lock = threading.RLock()
         self._defer_index_save = 0
+        self._meta_cache: dict[str, Any] = {}
 
     # ================================================================ opening
     @classmethod
@@ -270,17 +271,26 @@ class CacheStore:
                         self.catalog.set_meta(s, k, v)
 
     # ================================================================ properties
+    def _fixed_meta(self, key: str) -> Any:
+        """Meta values that never change once set (cached per handle)."""
+        if key not in self._meta_cache:
+            value = self.catalog.get_meta(key)
+            if value is None:
+                return None
+            self._meta_cache[key] = value
+        return self._meta_cache[key]
+
     @property
     def canonical(self) -> str | None:
-        return self.catalog.get_meta("canonical")
+        return self._fixed_meta("canonical")
 
     @property
     def canonical_fingerprint(self) -> str | None:
-        return self.catalog.get_meta("canonical_fingerprint")
+        return self._fixed_meta("canonical_fingerprint")
 
     @property
     def embedding_dim(self) -> int:
-        return int(self.catalog.get_meta("embedding_dim"))
+        return int(self._fixed_meta("embedding_dim"))
 
     @property
     def embedder(self) -> Embedder:
@@ -526,8 +536,11 @@ class CacheStore:
             if n == 0:
                 _fault(fault_point)
 
-    def remove(self, document: int | str) -> int:
-        """Remove a document (by id or source) with its chunks, vectors and blobs; return chunks removed."""
+    def remove(self, document: int | str, missing_ok: bool = False) -> int:
+        """Remove a document (by id or source) with its chunks, vectors and blobs; return chunks removed.
+
+        An unknown document raises UsageError, or returns 0 with `missing_ok`.
+        """
         with self._write_lock():
             idx = self._writer_index()
             with self.catalog.write() as s:
@@ -537,6 +550,8 @@ class CacheStore:
                     )
                 )
                 if exists is None:
+                    if missing_ok:
+                        return 0
                     raise UsageError(f"no document {document!r} in store {self.path}")
                 ids, keys = self._delete_document_rows(s, document)
                 gen = self.catalog.bump_generation(s)

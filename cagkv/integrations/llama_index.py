@@ -111,6 +111,7 @@ def ingest_documents(
     *,
     chunk_tokens: int = 256,
     batch_size: int = 8,
+    dtype: str = "bfloat16",
 ) -> list[int]:
     """Put LlamaIndex documents or nodes into a cagkv store; returns cagkv document ids.
 
@@ -120,59 +121,36 @@ def ingest_documents(
     document whose chunks are exactly those nodes, and retrieval gives back their node
     ids. The cagkv document keeps the (first node's) metadata plus the LlamaIndex id as
     `ref_doc_id`; its source is the `file_path` (or `source`, `url`) metadata, else
-    `llama_index:<ref_doc_id>`. Idempotent: unchanged documents are not prefilled again.
+    `llama_index:<ref_doc_id>`. Idempotent: an unchanged document is not prefilled again.
 
     Args:
         store: an open `cagkv.stores.CacheStore` (its canonical model prefills).
         documents: `Document`s and/or `TextNode`s (image and other non-text nodes are refused).
+        chunk_tokens, batch_size, dtype: as for `cagkv.ingest.ingest_text`.
     """
+    from cagkv.ingest import ingest_text
+
     ids: list[int] = []
-    sources: dict[str, int] = {}
+    seen: dict[str, int] = {}
     for key, group in _group_by_document(documents).items():
         first = group[0]
         metadata = {k: v for k, v in first.metadata.items() if k not in _HIDDEN_KEYS}
         metadata[REF_DOC_ID] = key
-        texts = None
+        chunks = None
         if not (isinstance(first, Document) and len(group) == 1):
-            texts = [n.get_content(MetadataMode.NONE) for n in group]
+            chunks = [n.get_content(MetadataMode.NONE) for n in group]
             metadata[NODE_IDS] = [n.node_id for n in group]
+        text = first.get_content(MetadataMode.NONE) if chunks is None else "\n\n".join(chunks)
         source = _source_of(first, key)
-        sources[source] = sources.get(source, 0) + 1
-        if sources[source] > 1:  # several documents of one file (e.g. pages): keep them apart
-            source = f"{source}#{sources[source]}"
-        text = first.get_content(MetadataMode.NONE) if texts is None else "\n\n".join(texts)
-        result = store.add_document(
-            source, text, metadata, _prefilled(store, text, texts, chunk_tokens, batch_size)
-        )
+        seen[source] = seen.get(source, 0) + 1
+        if seen[source] > 1:  # several documents from one file (e.g. pages): keep them apart
+            source = f"{source}#{seen[source]}"
+        result = ingest_text(
+            store, text, source, metadata=metadata, chunks=chunks,
+            chunk_tokens=chunk_tokens, batch_size=batch_size, dtype=dtype,
+        )  # fmt: skip
         ids.append(int(result.document_id))
     return ids
-
-
-def _prefilled(
-    store: "CacheStore", text: str, texts: list[str] | None, chunk_tokens: int, batch_size: int
-) -> Iterator[tuple[Any, Any]]:
-    """(chunk, canonical KV block) pairs, prefilled lazily batch by batch.
-
-    Lazily, so that `add_document` skips the prefill for an unchanged document and
-    holds one batch of caches at a time.
-    """
-    from cagkv.chunking import TextChunk, chunk_text
-    from cagkv.models import load
-    from cagkv.prefill import prefill_chunks
-
-    if store.canonical is None:
-        raise UsageError(f"store {store.path} has no canonical model: open it with canonical=NAME")
-    loaded = load(store.canonical)
-    if texts is None:
-        chunks = chunk_text(text, loaded.tokenizer, max_tokens=chunk_tokens)
-    else:  # the nodes as they are, at their spans in the joined text
-        chunks, start = [], 0
-        for t in texts:
-            chunks.append(TextChunk(t, start, start + len(t)))
-            start += len(t) + 2
-    for i in range(0, len(chunks), batch_size):
-        batch = chunks[i : i + batch_size]
-        yield from zip(batch, prefill_chunks(loaded, [c.text for c in batch], batch_size))
 
 
 class CagkvWriter(TransformComponent):

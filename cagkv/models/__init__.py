@@ -22,7 +22,7 @@ _EXPORTS = {
     "RopeLayer": "rope", "rotate": "rope", "unrotate": "rope", "rotate_layers": "rope",
     "unrotate_layers": "rope", "rope_layer_from_config": "rope",
     "extract_kv": "cache", "build_cache": "cache", "append_kv": "cache", "full_cache": "cache",
-    "LoadedModel": "loading", "load": "loading", "clear_cache": "loading",
+    "LoadedModel": "loading", "load": "loading", "clear_cache": "loading", "unload": "loading",
     "model_fingerprint": "fingerprint", "folder_fingerprint": "fingerprint",
 }
 

@@ -65,6 +65,14 @@ def load(
         return _CACHE[key]
 
 
+def unload(name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> None:
+    """Forget one loaded model (every attention implementation of it) in this process."""
+    target = zoo.resolve(name_or_path) if str(name_or_path) not in zoo.ZOO else str(zoo.model_path(str(name_or_path)))
+    with _LOCK:
+        for key in [k for k in _CACHE if k[0] == target and k[1] == str(dtype)]:
+            del _CACHE[key]
+
+
 def clear_cache() -> None:
     """Forget every loaded model (frees memory once no one else holds them)."""
     with _LOCK:

@@ -259,13 +259,14 @@ def _pull_one(e: ZooEntry, source: str, progress: bool) -> str:
             shutil.rmtree(dest)
         os.replace(build, dest)  # atomic: a model folder is either complete or absent
         shutil.rmtree(_downloads(e), ignore_errors=True)
-        try:
-            _downloads(e).parent.rmdir()  # only when no other pull is pending
-        except OSError:
-            pass
         return used
     finally:
         shutil.rmtree(build, ignore_errors=True)
+        for folder in (_downloads(e), _downloads(e).parent):  # keep fetched wheels for a resume only
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
 
 def _downloads(e: ZooEntry) -> Path:

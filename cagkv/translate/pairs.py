@@ -8,11 +8,13 @@ For every `Sample` (chunk + continuations) one safetensors file holds:
     tgt_ids, tgt_off, tgt_k, tgt_v      the same for the target's native prefill
     c{j}_ids       [C]                  continuation j: separator + question suffix + answer, or
                                         separator + the document's next text
-    c{j}_ans       [C-1] bool           prediction i targets an answer token (ids[i+1])
-    c{j}_topi/topv [C-1, K]             native next-token top-K ids / log-probs
-    c{j}_ll_nat, c{j}_ll_none [C-1]     log-prob of the true next token, native / no document
-    c{j}_w         [C-1]                KL(native || no document): how much the document matters
-    c{j}_q         [L, Hq, C, D] f16    the target's queries on the continuation, RoPE applied
+    c{j}_pos       [N]                  kept predictions i (predicting ids[i+1]): the last
+                                        `predict` ones, always covering the answer
+    c{j}_ans       [N] bool             prediction targets an answer token
+    c{j}_topi/topv [N, K]               native next-token top-K ids / log-probs
+    c{j}_ll_nat, c{j}_ll_none [N]       log-prob of the true next token, native / no document
+    c{j}_w         [N]                  KL(native || no document): how much the document matters
+    c{j}_q         [L, Hq, N, D] f16    the target's queries at those positions, RoPE applied
 
 plus `prefix.safetensors` (the target's own prefix K/V, position-free) and `index.json`.
 Building is resumable: existing sample files are kept.
@@ -94,7 +96,7 @@ def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 @torch.no_grad()
 def build_pairs(
     source: LoadedModel, target: LoadedModel, samples: list[Sample], out_dir: str | Path,
-    topk: int = 32, progress: Callable[[int, int], None] | None = None,
+    topk: int = 32, predict: int = 16, progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write one paired file per sample into `out_dir` (resumable); returns the folder."""
     from safetensors.torch import save_file
@@ -135,22 +137,24 @@ def build_pairs(
                 if len(c_ids) < 2 or n_ans < 1:
                     continue
                 C = len(c_ids)
+                # predictions kept: the last `predict` tokens (answer + the question's end)
+                keep = torch.arange(max(0, C - 1 - max(predict, n_ans)), C - 1)  # prediction i -> ids[i+1]
                 cache = build_cache(target.config, target.spec, torch.cat([pk, tk], 2), torch.cat([pv, tv], 2),
                                     torch.arange(P + T))
                 tap.q.clear()
-                logits = target.model(input_ids=torch.tensor([c_ids]), cache=cache).logits[0, :-1]  # [C-1, V]
-                q_pos = torch.arange(P + T, P + T + C)
-                qs = torch.stack([rotate(tap.q[l], q_pos, target.spec.rope[l]) for l in range(len(tap.q))])
-                none_logits = target.model(input_ids=torch.tensor([t_prefix + c_ids])).logits[0, P:-1]  # [C-1, V]
+                logits = target.model(input_ids=torch.tensor([c_ids]), cache=cache, logits_to_keep=keep).logits[0]
+                q_pos = torch.arange(P + T, P + T + C)[keep]
+                qs = torch.stack([rotate(tap.q[l][:, keep], q_pos, target.spec.rope[l]) for l in range(len(tap.q))])
+                none_logits = target.model(input_ids=torch.tensor([t_prefix + c_ids]), logits_to_keep=keep + P).logits[0]
                 logp, topi, topv = _topk_logprobs(logits, topk)
                 logp_none = F.log_softmax(none_logits.float(), dim=-1)
-                nxt = torch.tensor(c_ids[1:])
+                nxt = torch.tensor(c_ids)[keep + 1]
                 w = (logp.exp() * (logp - logp_none)).sum(-1).clamp(min=0)  # KL(native || none)
-                ans = torch.zeros(C - 1, dtype=torch.bool)
-                ans[C - 1 - n_ans :] = True
+                ans = keep >= C - 1 - n_ans
                 n = len(kinds)
                 rec.update({
-                    f"c{n}_ids": torch.tensor(c_ids), f"c{n}_ans": ans, f"c{n}_topi": topi, f"c{n}_topv": topv,
+                    f"c{n}_ids": torch.tensor(c_ids), f"c{n}_pos": keep, f"c{n}_ans": ans,
+                    f"c{n}_topi": topi, f"c{n}_topv": topv,
                     f"c{n}_ll_nat": logp.gather(1, nxt[:, None])[:, 0],
                     f"c{n}_ll_none": logp_none.gather(1, nxt[:, None])[:, 0],
                     f"c{n}_w": w, f"c{n}_q": qs.half().contiguous(),

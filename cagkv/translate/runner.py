@@ -43,10 +43,11 @@ def _say(msg: str) -> None:
 
 def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, PairSet, dict[str, Any]]:
     docs = load_documents(cfg.corpora)
-    samples = make_samples(docs, cfg.samples, seed=cfg.seed)
+    samples = make_samples(docs, cfg.samples, seed=cfg.seed, chars=tuple(cfg.chunk_chars), kinds=tuple(cfg.kinds))
     train_s, held_s = split_by_document(samples, cfg.heldout_share, seed=cfg.seed)
     key = hashlib.sha256(
-        json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.samples, cfg.seed, cfg.topk]).encode()
+        json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.samples, cfg.seed, cfg.topk, cfg.predict,
+                    cfg.kinds, cfg.chunk_chars]).encode()
     ).hexdigest()[:12]
     base = _home() / "pairs" / f"{source.name}__{target.name}__{key}".replace("/", "_")
     for name, ss in (("heldout", held_s), ("train", train_s)):
@@ -56,7 +57,7 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
             if i % 10 == 0 or i == n:
                 _say(f"pairs {name}: {i}/{n} ({time.time() - t0:.0f}s)")
 
-        build_pairs(source, target, ss, base / name, topk=cfg.topk, progress=prog)
+        build_pairs(source, target, ss, base / name, topk=cfg.topk, predict=cfg.predict, progress=prog)
     data = {
         "corpora": cfg.corpora, "chunks_train": len(train_s), "chunks_heldout": len(held_s),
         "documents_train": len({s.source for s in train_s}), "documents_heldout": len({s.source for s in held_s}),
@@ -118,12 +119,15 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             os.replace(tmp, ckpt_path)
 
         _say(f"stage {stage}: steps {start}..{steps[stage]}")
+        trainer.begin_stage(stage)
+        trainer.steps_done = start
         getattr(trainer, f"stage_{stage}")(steps[stage], opt, start=start, ckpt=ckpt)
         metrics = trainer.evaluate()
         _say(f"after {stage}: {json.dumps(metrics)}")
         state["done"].append(stage)
         state["metrics"][stage] = metrics
-        state["stages"].append({"name": stage, "steps": steps[stage], "wall_s": round(time.time() - t_stage, 1)})
+        state["stages"].append({"name": stage, "steps": trainer.steps_done, "planned_steps": steps[stage],
+                                "wall_s": round(time.time() - t_stage, 1)})
         torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
         saved = {}
     last = state["metrics"][state["done"][-1]] if state["done"] else {}

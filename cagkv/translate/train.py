@@ -53,6 +53,9 @@ STAGES = ("regression", "attention", "e2e")
 class TrainConfig:
     out: str = ""
     corpora: list[str] = field(default_factory=lambda: ["lee", "pydoc"])
+    kinds: list[str] = field(default_factory=lambda: ["follows", "blank", "next"])
+    chunk_chars: list[int] = field(default_factory=lambda: [350, 650])
+    predict: int = 16  # teacher predictions kept per continuation (its last tokens)
     samples: int = 300
     heldout_share: float = 0.1
     seed: int = 0
@@ -78,7 +81,8 @@ class TrainConfig:
     log_every: int = 25
     ckpt_every: int = 50
     threads: int = 1
-    max_minutes: float = 0.0  # >0: stop a stage early when the overall wall budget is spent
+    max_minutes: float = 0.0  # >0: stop training early once this much wall time is spent
+    stage_minutes: dict[str, float] = field(default_factory=dict)  # per-stage wall budgets
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -200,8 +204,9 @@ class Trainer:
             total.backward()
             torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
             opt.step()
-            self._after_step("regression", step, steps, {"loss": float(loss), "aux": float(out.aux_loss)}, ckpt)
-            if self._out_of_time():
+            self._after_step("regression", step, steps, {"loss": loss.item(), "aux": out.aux_loss.item()}, ckpt)
+            self.steps_done = step + 1
+            if self._out_of_time(step):
                 break
 
     # ------------------------------------------------------------------ stage 2
@@ -240,8 +245,9 @@ class Trainer:
             total.backward()
             torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
             opt.step()
-            self._after_step("attention", step, steps, {"loss": float(att), "reg": float(reg)}, ckpt)
-            if self._out_of_time():
+            self._after_step("attention", step, steps, {"loss": att.item(), "reg": reg.item()}, ckpt)
+            self.steps_done = step + 1
+            if self._out_of_time(step):
                 break
 
     # ------------------------------------------------------------------ stage 3
@@ -261,7 +267,7 @@ class Trainer:
         ans = rec[f"c{j}_ans"]
         score = w + ans.float() * (w.max() + 1.0)  # answer positions always kept
         sel = score.topk(min(self.cfg.kl_positions, score.numel())).indices.sort().values
-        logits = self.continuation_logits(keys, values, b, n, rec[f"c{j}_ids"], keep=sel)
+        logits = self.continuation_logits(keys, values, b, n, rec[f"c{j}_ids"], keep=rec[f"c{j}_pos"][sel])
         kl = kl_topk(F.log_softmax(logits, -1), rec[f"c{j}_topi"][sel], rec[f"c{j}_topv"][sel].float())
         weight = 0.05 + w[sel] / w[sel].sum().clamp(min=1e-6) + ans[sel].float() / max(1, int(ans[sel].sum()))
         return (weight * kl).sum() / weight.sum()
@@ -286,7 +292,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
             opt.step()
             self._after_step("e2e", step, steps, stats, ckpt)
-            if self._out_of_time():
+            self.steps_done = step + 1
+            if self._out_of_time(step):
                 break
 
     # ------------------------------------------------------------------ evaluation
@@ -317,7 +324,8 @@ class Trainer:
             sst += ((nat - mean) ** 2).sum((1, 2))
             att.append(float(self.attention_loss(keys, values, rec, 0)))
             for j, kind in enumerate(rec["kinds"]):
-                logits = self.continuation_logits(keys, values, 0, n, rec[f"c{j}_ids"])[:-1]  # [C-1, V]
+                pos = rec[f"c{j}_pos"]
+                logits = self.continuation_logits(keys, values, 0, n, rec[f"c{j}_ids"], keep=pos)  # [N, V]
                 logq = F.log_softmax(logits, -1)
                 kl = kl_topk(logq, rec[f"c{j}_topi"], rec[f"c{j}_topv"].float())
                 w = rec[f"c{j}_w"].float()
@@ -327,7 +335,7 @@ class Trainer:
                 if kind == "next":
                     continue
                 ans = rec[f"c{j}_ans"]
-                gold = rec[f"c{j}_ids"][1:]
+                gold = rec[f"c{j}_ids"][pos + 1]
                 ll["tr"] += float(logq.gather(1, gold[:, None])[:, 0][ans].mean())
                 ll["nat"] += float(rec[f"c{j}_ll_nat"][ans].mean())
                 ll["none"] += float(rec[f"c{j}_ll_none"][ans].mean())
@@ -362,8 +370,15 @@ class Trainer:
         if ckpt is not None and ((step + 1) % self.cfg.ckpt_every == 0 or step + 1 == steps):
             ckpt(stage, step + 1)
 
-    def _out_of_time(self) -> bool:
-        return self.cfg.max_minutes > 0 and (time.time() - self.t_start) / 60 > self.cfg.max_minutes
+    def begin_stage(self, stage: str) -> None:
+        self.stage, self.stage_t0 = stage, time.time()
+
+    def _out_of_time(self, step: int) -> bool:
+        now = time.time()
+        if self.cfg.max_minutes > 0 and (now - self.t_start) / 60 > self.cfg.max_minutes:
+            return True
+        budget = self.cfg.stage_minutes.get(getattr(self, "stage", ""), 0.0)
+        return budget > 0 and (now - getattr(self, "stage_t0", now)) / 60 > budget
 
 
 def stage_steps(cfg: TrainConfig) -> dict[str, int]:

@@ -13,6 +13,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,7 @@ def doc_text(i: int, version: int = 0, sentences: int = 6) -> str:
 
 
 def question(i: int, j: int = 0) -> str:
-    return f"what does topic{i}w{j} relate to in doc{i}"
+    return f"Fact {j} of doc{i} says topic{i}w{j} relates to what"
 
 
 def open_store(path: str | Path, db_url: str | None = None, **kw: Any) -> CacheStore:
@@ -100,7 +102,7 @@ def run_ops(path: str, db_url: str | None, ops: list[tuple[str, ...]], ready: An
             if op[0] == "add":
                 add(store, op[1], op[2])
             else:
-                store.remove(op[1])
+                store.remove(op[1], missing_ok=True)
     finally:
         store.close()
         if saved is None:
@@ -125,3 +127,37 @@ def wait_all(procs: list[Any], timeout: float) -> None:
         if p.is_alive():
             p.kill()
             raise AssertionError(f"worker {p.name} did not finish within {timeout} s")
+
+
+# ---------------------------------------------------------------------------- PostgreSQL
+def pg_admin_url() -> str:
+    """`$CAGKV_TEST_PG_URL` (set by `source scripts/pg.sh && pg_start`), else skip (fail in CI)."""
+    import pytest
+
+    url = os.environ.get("CAGKV_TEST_PG_URL")
+    if not url:
+        reason = "no PostgreSQL: CAGKV_TEST_PG_URL is unset (start one with `source scripts/pg.sh && pg_start`)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + " -- required in CI")
+        pytest.skip(reason)
+    return url
+
+
+@contextmanager
+def pg_database(admin_url: str) -> Iterator[str]:
+    """A fresh database on the test server for one test; dropped afterwards."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"cagkv_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -145,8 +145,8 @@ def test_bfloat16_rebuild_close_to_native():
     model = lm.model
     ids = torch.randint(0, 97, (1, 15))
     native = _prefill(model, ids[:, :-1])
+    K, V = extract_kv(native.cache, lm.spec, torch.arange(14))  # before the next step grows the cache
     ref = _next_logits(model, ids[:, -1:], native.cache).float()
-    K, V = extract_kv(native.cache, lm.spec, torch.arange(14))
     assert K.dtype == torch.bfloat16
     got = _next_logits(model, ids[:, -1:], build_cache(lm.config, lm.spec, K.float(), V.float(), torch.arange(14), dtype=torch.bfloat16)).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()

@@ -35,6 +35,15 @@ KL_TEXT = " ".join(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models: thread start-up dominates, and the shared CPU is oversubscribed
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     root = tmp_path_factory.mktemp("cagkv_home")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llama_index.core")
@@ -347,7 +348,7 @@ def test_embedding_under_settings_matches_the_store_embedder(store: CacheStore):
     emb = CagkvEmbedding(embedder=embedder)
     assert emb.model_name == "hash-64"
     texts = list(TEXTS.values())
-    assert emb.get_text_embedding_batch(texts) == pytest.approx(embedder.embed(texts).tolist())
+    assert np.allclose(emb.get_text_embedding_batch(texts), embedder.embed(texts), atol=1e-6)
     assert emb.get_query_embedding(QUESTIONS[0]) == pytest.approx(embedder.embed([QUESTIONS[0]])[0].tolist())
     old = Settings._embed_model
     try:
@@ -359,3 +360,15 @@ def test_embedding_under_settings_matches_the_store_embedder(store: CacheStore):
         assert store.search(QUESTIONS[1], k=1)[0].text == TEXTS["paris"]
     finally:
         Settings._embed_model = old
+
+
+def test_retriever_and_llm_compose_in_a_retriever_query_engine(store: CacheStore, models: dict[str, str]):
+    """LlamaIndex's own RetrieverQueryEngine over the cagkv retriever and LLM (text prompt)."""
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    llm = CagkvLLM(model=models["canonical"], loaded=load(models["canonical"]), max_new_tokens=4)
+    retriever = CagkvRetriever(store, similarity_top_k=2)
+    engine = RetrieverQueryEngine.from_args(retriever, llm=llm, response_mode="compact")
+    response = engine.query(QUESTIONS[1])
+    assert isinstance(response.response, str)
+    assert _chunk_ids(response.source_nodes) == [str(h.chunk_id) for h in store.search(QUESTIONS[1], k=2)]

@@ -320,7 +320,7 @@ def test_doctor_stale_index_rebuilt(store: CacheStore):
     ingest(store, {"rome.txt": DOCS["rome.txt"]})
     (store.path / "vectors.safetensors").write_bytes(stale)
     # a fresh reader notices the stale file and answers from the catalog's snapshot
-    reader = CacheStore.open(store.path, create=False)
+    reader = CacheStore.open(store.path, store.catalog.url, create=False)
     assert any(h.source == "rome.txt" for h in reader.search("Colosseum Rome", k=3))
     r = store.doctor()
     assert [p.kind for p in r.problems] == ["index"] and "stale" in r.problems[0].message

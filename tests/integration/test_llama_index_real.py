@@ -1,0 +1,63 @@
+"""The LlamaIndex example end to end with the real models (reader -> ingestion -> query engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+NEEDED = ("smollm2-135m", "gemma3-270m", "minilm-l6")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("llamaindex_example", ROOT / "examples" / "llamaindex_query_engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    pytest.importorskip("llama_index.core")
+    import torch
+
+    from cagkv.models import zoo
+
+    missing = [n for n in NEEDED if not zoo.is_present(n)]
+    if missing:
+        pytest.skip(f"real models {missing} are not in {zoo.models_dir()}: run `cagkv models pull`")
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    from llama_index.core import Settings
+
+    from cagkv.integrations.llama_index import CagkvEmbedding, CagkvLLM
+    from cagkv.stores import CacheStore
+
+    question = "Which loop does a break statement terminate?"
+    store_dir = tmp_path / "store"
+    results = _example().main(
+        ["--store", str(store_dir), "--question", question, "--max-new-tokens", "16"]
+    )
+    out = capsys.readouterr().out
+
+    # LlamaIndex's defaults were pointed at the local models, not OpenAI
+    assert isinstance(Settings.llm, CagkvLLM) and isinstance(Settings.embed_model, CagkvEmbedding)
+    (result,) = results
+    assert result["answer"].strip(), out
+    assert result["target"] == "gemma3-270m"
+    assert result["mode"] in ("translate", "native"), result  # auto: translated when a translator exists
+    assert set(result["timings_ms"]) >= {"retrieve", "prefill", "first_token", "total"}
+    assert result["sources"] and "tool 'documents'" in out
+
+    # every node the pipeline made is a stored chunk, and the best source is the break text
+    with CacheStore.open(store_dir) as store:
+        docs = store.list_documents()
+        assert {Path(d.source).name for d in docs} == {"python_statements.md", "python_truth_values.txt"}
+        node_ids = {nid for d in docs for nid in d.metadata["llama_index_node_ids"]}
+        assert set(result["sources"]) <= node_ids
+        best = store.search(question, k=1)[0]
+        assert "break" in best.text

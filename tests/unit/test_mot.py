@@ -1,0 +1,151 @@
+"""MoT translator: shapes for every family pair, exact layer 0, k-norm manifold, routing, artifacts."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from translate_fixtures import FAMILIES, tiny_model  # noqa: E402
+
+from cagkv.errors import TranslatorError  # noqa: E402
+from cagkv.kv import KVBlock  # noqa: E402
+from cagkv.models.cache import extract_kv, full_cache  # noqa: E402
+from cagkv.translate import Translator, find_translator, list_translators, load_translator, save_artifact  # noqa: E402
+from cagkv.translate.features import TargetSide  # noqa: E402
+from cagkv.translate.layermap import layer_groups, layer_map  # noqa: E402
+from cagkv.translate.mot import MoTConfig, MoTTranslator  # noqa: E402
+from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
+from cagkv.align import token_offsets  # noqa: E402
+
+TEXT = "The quick brown fox jumps over the lazy dog. Naïve café owners in Zürich sell crème brûlée."
+
+
+def _block(loaded, text: str = TEXT) -> KVBlock:
+    ids, offs = token_offsets(loaded.tokenizer, text)
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids[None], cache=full_cache(), use_cache=True)
+    k, v = extract_kv(out.cache, loaded.spec, torch.arange(ids.numel()))
+    return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
+
+
+def _translator(src, tgt, **kw) -> Translator:
+    torch.manual_seed(0)
+    opts = dict(d_model=16, d_expert=24, experts=3, top_k=2, group_size=2)
+    opts.update(kw)
+    cfg = make_mot_config(src, tgt, TrainConfig(**opts))
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    return Translator(MoTTranslator(cfg), card)
+
+
+def test_layer_map_relative_depth() -> None:
+    lm = layer_map(30, 18, nearest=2)
+    assert lm[0] == [0, 1] and lm[17][0] == 29 and len(lm) == 18
+    assert all(len(r) == 2 for r in lm)
+    assert layer_map(4, 1, nearest=1) == [[3]]
+    assert layer_groups([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+
+
+@pytest.mark.parametrize("src_f,tgt_f", [p for p in itertools.product(FAMILIES, FAMILIES) if p[0] != p[1]])
+def test_shapes_and_dtypes_every_pair(src_f: str, tgt_f: str) -> None:
+    src, tgt = tiny_model(src_f, 4), tiny_model(tgt_f, 3 if tgt_f == "qwen2" else 5)
+    tr = _translator(src, tgt)
+    block = _block(src)
+    out = tr.translate(block, tgt)
+    ids, offs = token_offsets(tgt.tokenizer, TEXT)
+    s = tgt.spec
+    assert out.keys.shape == (s.num_layers, s.num_kv_heads, ids.numel(), s.head_dim)
+    assert out.values.shape == out.keys.shape
+    assert out.keys.dtype == next(tgt.model.parameters()).dtype
+    assert torch.equal(out.token_ids, ids) and torch.equal(out.offsets, offs)
+    assert out.model_fingerprint == tgt.fingerprint and out.text == TEXT
+    assert bool(torch.isfinite(out.keys).all())
+
+
+def test_layer0_exact_and_k_norm_manifold() -> None:
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    tr = _translator(src, tgt)
+    native = _block(tgt)
+    out = tr.translate(_block(src), tgt)
+    torch.testing.assert_close(out.keys[0], native.keys[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.values[0], native.values[0], rtol=1e-4, atol=1e-4)
+    # translated keys went through the target's k-norm: per-head RMS of key / scale is 1
+    ts = TargetSide(tgt.model)
+    for layer in range(1, tgt.spec.num_layers):
+        u = out.keys[layer] / ts.k_scale(layer)
+        rms = u.pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+
+
+def test_batch_equals_single_and_padding_is_inert() -> None:
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    tr = _translator(src, tgt)
+    short, long = _block(src, "Rivers flow to the sea."), _block(src)
+    both = tr.translate_many([short, long], tgt)
+    alone = tr.translate(short, tgt)
+    torch.testing.assert_close(both[0].keys, alone.keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(both[0].values, alone.values, rtol=1e-4, atol=1e-5)
+
+
+def test_router_topk_and_balance_loss() -> None:
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), group_size=2, d_model=8, d_expert=8, experts=4, top_k=2)
+    mot = MoTTranslator(cfg)
+    out = mot(torch.randn(2, 7, len(cfg.used_src) * 16), torch.randn(2, 7, 12))
+    assert out.y.shape == (2, 4, 7, 16)
+    assert out.expert_load.shape == (len(cfg.groups), 4)
+    torch.testing.assert_close(out.expert_load.sum(1), torch.ones(len(cfg.groups)))
+    assert float(out.aux_loss) >= 1.0 - 1e-5  # Switch loss is >= 1 with equality when balanced
+
+
+def test_single_expert_ablation_and_dispatch_equivalence() -> None:
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), d_model=8, d_expert=8, experts=1, top_k=1)
+    mot = MoTTranslator(cfg)
+    src, emb = torch.randn(1, 5, len(cfg.used_src) * 16), torch.randn(1, 5, 12)
+    a = mot(src, emb).y
+    mot.cfg.dispatch = "dense"
+    torch.testing.assert_close(mot(src, emb).y, a, rtol=1e-5, atol=1e-5)
+
+
+def test_config_rejects_unknown_keys() -> None:
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1))
+    with pytest.raises(ValueError, match="unknown translator config keys"):
+        MoTConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+    with pytest.raises(ValueError, match="top_k"):
+        MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), experts=2, top_k=3)
+
+
+def test_artifact_round_trip_and_fingerprint_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    tr = _translator(src, tgt)
+    card = {"source": {"name": src.name, "fingerprint": src.fingerprint},
+            "target": {"name": tgt.name, "fingerprint": tgt.fingerprint},
+            "quality": {"value": 0.7, "auto_threshold": 0.5}}
+    folder = save_artifact(tmp_path / "translators" / "a__b", tr.model, card)
+    loaded = load_translator(folder, src.fingerprint, tgt.fingerprint)
+    block = _block(src)
+    torch.testing.assert_close(loaded.translate(block, tgt).keys, tr.translate(block, tgt).keys, rtol=2e-2, atol=2e-2)
+    assert loaded.auto_ok and loaded.quality == 0.7
+    with pytest.raises(TranslatorError, match="target model"):
+        load_translator(folder, src.fingerprint, "0" * 16)
+    with pytest.raises(TranslatorError, match="source model"):
+        load_translator(folder, "f" * 16, tgt.fingerprint)
+    other = tiny_model("qwen2", 3)
+    with pytest.raises(TranslatorError, match="target model"):
+        loaded.translate(block, other)
+    with pytest.raises(TranslatorError, match="block was made by"):
+        loaded.translate(_block(other), tgt)
+    monkeypatch.setenv("CAGKV_HOME", str(tmp_path))
+    assert find_translator(src.fingerprint, tgt.fingerprint) is not None
+    assert find_translator(src.fingerprint, other.fingerprint) is None
+    rows = [r for r in list_translators() if r["path"] == str(folder)]
+    assert rows and rows[0]["quality"] == 0.7
+
+
+def test_malformed_card_refused(tmp_path: Path) -> None:
+    (tmp_path / "card.json").write_text("{not json")
+    with pytest.raises(TranslatorError, match="not valid JSON"):
+        load_translator(tmp_path)
