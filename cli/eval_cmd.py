@@ -33,6 +33,8 @@ def eval_command(
                                 help="Held-out text: also report next-token KL against native prefill."),
     kl_windows: int = typer.Option(16, "--kl-windows", help="Context/continuation windows from --kl-text."),
     dtype: str = typer.Option("float32", "--dtype", help="dtype the target answers in (float32, bfloat16)."),
+    ingest_dtype: str = typer.Option("float32", "--ingest-dtype",
+                                     help="dtype of the canonical prefill at ingest."),
     embedder: str = typer.Option(None, "--embedder", help="Embedder of the eval store (default minilm-l6)."),
     store: str = typer.Option(None, "--store", help="Keep the evaluation store here (default: temporary)."),
     out: str = typer.Option(None, "--out", help="Results JSON (a rerun resumes from it)."),
@@ -57,7 +59,7 @@ def eval_command(
         dataset=dataset, canonical=canonical, target=target or canonical, modes=mode_list,
         limit=limit, seed=seed, retrieval=retrieval, top_k=top_k, max_new_tokens=max_new_tokens,
         replay=replay, chunk_tokens=chunk_tokens, kl_text=kl_text, kl_windows=kl_windows,
-        dtype=dtype, embedder=embedder, out=out, markdown=markdown, store=store,
+        dtype=dtype, ingest_dtype=ingest_dtype, embedder=embedder, out=out, markdown=markdown, store=store,
         command=command_line(),
     )
     report = run_eval(config, progress=progress)

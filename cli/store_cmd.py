@@ -74,7 +74,9 @@ def ingest_cmd(
     ),
     chunk_tokens: int = typer.Option(256, "--chunk-tokens", min=8, help="Canonical tokens per chunk."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Chunks per prefill forward."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="Prefill dtype: bfloat16 or float32."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="Prefill dtype: auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32."
+    ),
     max_bytes: Optional[int] = typer.Option(None, "--max-bytes", min=1, help="Per-file size limit (default 20 MiB)."),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     embedder: Optional[str] = typer.Option(

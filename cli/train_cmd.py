@@ -1,9 +1,89 @@
-"""Commands of `cagkv` (placeholder until its owner fills it)."""
+"""`cagkv train` and `cagkv translators list`: thin shells over `cagkv.translate`."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import typer
+
+translators_app = typer.Typer(help="Trained KV translators: list what is installed.", no_args_is_help=True)
+
+
+def train_cmd(
+    canonical: str = typer.Option(..., "--canonical", help="Source (canonical) model: zoo name or folder."),
+    target: str = typer.Option(..., "--target", help="Target model: zoo name or folder."),
+    out: str = typer.Option(None, "--out", help="Artifact folder. Default: $CAGKV_HOME/translators/SRC__TGT."),
+    corpus: list[str] = typer.Option(None, "--corpus", help="Corpus name (pydoc, lee, shakespeare) or .txt path; repeatable."),
+    samples: int = typer.Option(110, "--samples", help="Training chunks to draw (10% of documents held out)."),
+    experts: int = typer.Option(4, "--experts", help="Experts per layer group (1 = single-translator ablation)."),
+    top_k: int = typer.Option(2, "--top-k", help="Experts per token."),
+    steps: str = typer.Option("400,80,400", "--steps", help="Steps of regression,attention,e2e (0 skips a stage)."),
+    minutes: str = typer.Option("7,4,25", "--minutes", help="Wall budget per stage in minutes (0 = none)."),
+    threads: int = typer.Option(1, "--threads", help="torch CPU threads."),
+    seed: int = typer.Option(0, "--seed"),
+    config: str = typer.Option(None, "--config", help="JSON file of further TrainConfig fields."),
+) -> None:
+    """Train a Mixture-of-Translators from CANONICAL's KV to TARGET's (resumable).
+
+    Example: cagkv train --canonical smollm2-135m --target gemma3-270m --experts 4 --top-k 2
+    """
+    from cagkv.errors import UsageError
+    from cagkv.translate.runner import run_training
+    from cagkv.translate.train import TrainConfig
+
+    try:
+        s_reg, s_att, s_e2e = (int(x) for x in steps.split(","))
+        m_reg, m_att, m_e2e = (float(x) for x in minutes.split(","))
+    except ValueError:
+        raise UsageError(f"--steps and --minutes take three comma-separated numbers, got {steps!r} / {minutes!r}") from None
+    extra = json.loads(Path(config).read_text()) if config else {}
+    home = Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv"))
+    default_out = home / "translators" / f"{Path(canonical).name}__{Path(target).name}"
+    fields = dict(
+        out=str(out or default_out), samples=samples, experts=experts, top_k=top_k, seed=seed, threads=threads,
+        steps_regression=s_reg, steps_attention=s_att, steps_e2e=s_e2e,
+        stage_minutes={"regression": m_reg, "attention": m_att, "e2e": m_e2e},
+    )
+    if corpus:
+        fields["corpora"] = list(corpus)
+    fields.update(extra)
+    try:
+        cfg = TrainConfig.from_dict(fields)
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"--top-k must be between 1 and --experts={experts}, got {top_k}")
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    path = run_training(canonical, target, cfg)
+    typer.echo(str(path))
+
+
+@translators_app.command("list")
+def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object per translator.")) -> None:
+    """List installed translators ($CAGKV_HOME/translators and shipped ones).
+
+    Example: cagkv translators list
+    """
+    from cagkv.translate import list_translators
+
+    rows = list_translators()
+    if as_json:
+        for r in rows:
+            typer.echo(json.dumps(r))
+        return
+    if not rows:
+        typer.echo("no translators installed (train one: cagkv train --canonical A --target B)")
+        return
+    typer.echo(f"{'SOURCE':14} {'TARGET':14} {'E/k':5} {'QUALITY':>8} {'AUTO>=':>6} {'MB':>5}  PATH")
+    for r in rows:
+        q = "-" if r["quality"] is None else f"{r['quality']:.3f}"
+        mb = "-" if not r["size_bytes"] else f"{r['size_bytes'] / 1e6:.1f}"
+        ek = f"{r['experts']}/{r['top_k']}"
+        typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  {r['path']}")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the app."""
+    """Add `cagkv train` and `cagkv translators ...` to the app."""
+    app.command("train")(train_cmd)
+    app.add_typer(translators_app, name="translators")

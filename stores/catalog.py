@@ -10,14 +10,16 @@ Tables:
                 token_count, blob_key, checksum, nbytes, embedding float32 bytes)
     models     (name, fingerprint, spec JSON)
     translators(id, source_fp, target_fp, path, card JSON, created)
-    meta       (key, value JSON): schema_version, canonical, canonical_fingerprint,
-                embedder, embedding_dim, chunking, generation (bumped by every write)
+    meta       (key, value JSON): schema_version, store_id (uuid), canonical,
+                canonical_fingerprint, embedder, embedding_dim, generation (bumped by
+                every write), and settings recorded by callers (e.g. chunking)
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -140,6 +142,7 @@ class Catalog:
                 with self.write() as s:
                     s.add(Meta(key="schema_version", value=SCHEMA_VERSION))
                     s.add(Meta(key="generation", value=0))
+                    s.add(Meta(key="store_id", value=uuid.uuid4().hex))
             elif not has_meta:
                 raise StoreError(f"no cagkv catalog at {redact(url)}")
             version = self.get_meta("schema_version")

@@ -90,6 +90,8 @@ def _check_index(store: CacheStore, gen: int, ids: set[int]) -> str | None:
         idx = VectorIndex.load(path)
     except CorruptIndexError as e:
         return str(e)
+    if idx.store_id != store.store_id:
+        return f"vector index {path} belongs to another store ({idx.store_id or 'unknown'})"
     if idx.generation != gen:
         return f"vector index {path} is stale (generation {idx.generation}, catalog {gen})"
     if idx.dim != store.embedding_dim:

@@ -281,6 +281,10 @@ class CacheStore:
         return self._meta_cache[key]
 
     @property
+    def store_id(self) -> str:
+        return str(self._fixed_meta("store_id") or "")
+
+    @property
     def canonical(self) -> str | None:
         return self._fixed_meta("canonical")
 
@@ -359,14 +363,20 @@ class CacheStore:
         return self.path / INDEX_FILE
 
     def _index_for(self, s: Session, generation: int) -> VectorIndex:
-        """An index that reflects exactly the catalog snapshot `s` at `generation`."""
+        """An index that reflects exactly the catalog snapshot `s` at `generation`.
+
+        The persisted file is used when it carries this store's id and this generation
+        (and its checksum and size agree); otherwise the index is rebuilt in memory from
+        the embeddings of the snapshot (readers never write it).
+        """
         if self._index is not None and self._index.generation == generation:
             return self._index
-        if VectorIndex.read_generation(self._index_path()) == generation:
+        stamp = (self.store_id, generation)
+        if VectorIndex.read_stamp(self._index_path()) == stamp:
             try:
                 idx = VectorIndex.load(self._index_path())
                 n = s.scalar(select(func.count(Chunk.id))) or 0
-                if idx.generation == generation and idx.ntotal == n and idx.dim == self.embedding_dim:
+                if (idx.store_id, idx.generation) == stamp and idx.ntotal == n and idx.dim == self.embedding_dim:
                     self._index = idx
                     return idx
             except CorruptIndexError:
@@ -384,14 +394,14 @@ class CacheStore:
             ids.append(cid)
             vecs.append(v)
         mat = np.stack(vecs) if vecs else np.zeros((0, dim), np.float32)  # [N, dim]
-        return VectorIndex.build(dim, np.asarray(ids, np.int64), mat, generation)
+        return VectorIndex.build(dim, np.asarray(ids, np.int64), mat, generation, self.store_id)
 
     def _writer_index(self) -> VectorIndex:
         """Under the write lock: the index of the latest committed state (rebuilt + saved if stale)."""
         with self.catalog.read() as s:
             gen = int(self.catalog.get_meta("generation", session=s))
             idx = self._index_for(s, gen)
-        if VectorIndex.read_generation(self._index_path()) != gen and not self._defer_index_save:
+        if VectorIndex.read_stamp(self._index_path()) != (self.store_id, gen) and not self._defer_index_save:
             self._save_index()
         return idx
 
@@ -443,30 +453,40 @@ class CacheStore:
             canon_fp = self.canonical_fingerprint
             rows: list[dict[str, Any]] = []
             texts: list[str] = []
-            _fault("before_blobs")
-            for i, (chunk, block) in enumerate(chunks):
-                rows.append(self._put_chunk(i, chunk, block, text, canon_fp))
-                canon_fp = canon_fp or block.model_fingerprint
-                texts.append(chunk.text)
-                if i == 0:
-                    _fault("mid_blobs")
-            _fault("after_blobs")
-            vecs = self._chunk_embeddings(texts, embeddings)
-            idx = self._writer_index()
-            with self.catalog.write() as s:
-                old_ids, old_keys = self._delete_document_rows(s, source)
-                if self.catalog.get_meta("canonical_fingerprint", session=s) is None and canon_fp:
-                    self.catalog.set_meta(s, "canonical_fingerprint", canon_fp)
-                doc = Document(source=source, content_hash=chash, meta=metadata, num_chars=len(text), created=now())
-                s.add(doc)
-                s.flush()
-                chunk_rows = [Chunk(document_id=doc.id, embedding=v.tobytes(), **r) for r, v in zip(rows, vecs, strict=True)]
-                s.add_all(chunk_rows)
-                s.flush()
-                new_ids = [c.id for c in chunk_rows]
-                gen = self.catalog.bump_generation(s)
-                doc_id = int(doc.id)
-                _fault("before_commit")
+            created: list[str] = []  # blobs this call made: removed again if it fails before the commit
+            try:
+                _fault("before_blobs")
+                for i, (chunk, block) in enumerate(chunks):
+                    row, new_blob = self._put_chunk(i, chunk, block, text, canon_fp)
+                    rows.append(row)
+                    if new_blob:
+                        created.append(row["blob_key"])
+                    canon_fp = canon_fp or block.model_fingerprint
+                    texts.append(chunk.text)
+                    if i == 0:
+                        _fault("mid_blobs")
+                _fault("after_blobs")
+                vecs = self._chunk_embeddings(texts, embeddings)
+                idx = self._writer_index()
+                with self.catalog.write() as s:
+                    old_ids, old_keys = self._delete_document_rows(s, source)
+                    if self.catalog.get_meta("canonical_fingerprint", session=s) is None and canon_fp:
+                        self.catalog.set_meta(s, "canonical_fingerprint", canon_fp)
+                    doc = Document(source=source, content_hash=chash, meta=metadata, num_chars=len(text), created=now())
+                    s.add(doc)
+                    s.flush()
+                    chunk_rows = [
+                        Chunk(document_id=doc.id, embedding=v.tobytes(), **r) for r, v in zip(rows, vecs, strict=True)
+                    ]
+                    s.add_all(chunk_rows)
+                    s.flush()
+                    new_ids = [c.id for c in chunk_rows]
+                    gen = self.catalog.bump_generation(s)
+                    doc_id = int(doc.id)
+                    _fault("before_commit")
+            except BaseException:
+                self._collect_blobs(created, None)
+                raise
             _fault("after_commit")
             idx.remove(old_ids)
             idx.add(np.asarray(new_ids, np.int64), vecs)
@@ -477,7 +497,10 @@ class CacheStore:
         status = "replaced" if old is not None else "added"
         return AddResult(doc_id, status, len(rows), sum(r["token_count"] for r in rows), sum(r["nbytes"] for r in rows))
 
-    def _put_chunk(self, i: int, chunk: TextChunkLike, block: KVBlock, text: str, canon_fp: str | None) -> dict[str, Any]:
+    def _put_chunk(
+        self, i: int, chunk: TextChunkLike, block: KVBlock, text: str, canon_fp: str | None
+    ) -> tuple[dict[str, Any], bool]:
+        """Serialise and write one block; return its chunk row and whether the blob is new."""
         if not isinstance(block, KVBlock):
             raise UsageError(f"chunk {i}: expected a KVBlock, got {type(block).__name__}")
         if canon_fp is not None and block.model_fingerprint != canon_fp:
@@ -491,8 +514,9 @@ class CacheStore:
             raise UsageError(f"chunk {i}: the KV block's text differs from the chunk text")
         data = block.to_bytes(quantize=self.quantize)
         key = blob_key(data)
+        existed = self.blobs.contains(key)
         checksum = self.blobs.put(key, data)  # content-addressed: rewriting identical bytes is harmless
-        return {
+        row = {
             "ord": i,
             "text": chunk.text,
             "start_char": start,
@@ -502,6 +526,7 @@ class CacheStore:
             "checksum": checksum,
             "nbytes": len(data),
         }
+        return row, not existed
 
     def _chunk_embeddings(self, texts: list[str], embeddings: np.ndarray | None) -> np.ndarray:
         dim = self.embedding_dim
@@ -526,14 +551,14 @@ class CacheStore:
         s.execute(delete(Document).where(Document.id == doc_id))
         return [r.id for r in old], {r.blob_key for r in old}
 
-    def _collect_blobs(self, keys: Iterable[str], fault_point: str) -> None:
+    def _collect_blobs(self, keys: Iterable[str], fault_point: str | None) -> None:
         """Remove blobs that no committed chunk references any more (shared blobs are kept)."""
         for n, key in enumerate(sorted(keys)):
             with self.catalog.read() as s:
                 used = s.scalar(select(func.count(Chunk.id)).where(Chunk.blob_key == key))
             if not used:
                 self.blobs.remove(key)
-            if n == 0:
+            if n == 0 and fault_point:
                 _fault(fault_point)
 
     def remove(self, document: int | str, missing_ok: bool = False) -> int:
@@ -795,6 +820,8 @@ def _check_json(value: Any, what: str) -> None:
         raw = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise UsageError(f"{what} must be JSON-serialisable: {e}") from None
+    except RecursionError:
+        raise UsageError(f"{what} is nested too deeply") from None
     _check_text(raw, what, MAX_METADATA_BYTES)
     if len(raw.encode("utf-8")) > MAX_METADATA_BYTES:
         raise UsageError(f"{what} is too large ({len(raw.encode())} bytes, limit {MAX_METADATA_BYTES})")

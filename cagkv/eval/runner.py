@@ -19,6 +19,7 @@ may grow and `--modes` may gain modes between runs).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -67,7 +68,9 @@ class EvalConfig:
     kl_context_tokens: int = 192
     kl_continuation_tokens: int = 48
     dtype: str = "float32"  # the target answers in this dtype (the engine's default)
-    ingest_dtype: str = "bfloat16"  # canonical prefill at ingest (the ingest default)
+    # canonical prefill at ingest: float32 here (exact, and bf16 matmuls are slow on this CPU);
+    # `cagkv ingest` defaults to bfloat16
+    ingest_dtype: str = "float32"
     embedder: str | None = None  # store embedder (None: the store default, MiniLM)
     out: str | None = None
     markdown: str | None = None
@@ -172,10 +175,10 @@ def ingest_contexts(store: Any, texts: Sequence[str], config: EvalConfig, prefix
 
     loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype))
     ids = []
-    name = Path(config.dataset).stem
-    for i, text in enumerate(_progress_iter(texts, f"ingest {prefix}", progress)):
-        result = ingest_text(store, text, f"cagkv-eval:{name}:{prefix}{i:06d}", loaded=loaded,
-                             chunk_tokens=config.chunk_tokens)
+    for text in _progress_iter(texts, f"ingest {prefix}", progress):
+        # the source names the text by its hash, so a kept --store is reused safely
+        source = f"cagkv-eval:{prefix}:{hashlib.sha256(text.encode('utf-8')).hexdigest()[:20]}"
+        result = ingest_text(store, text, source, loaded=loaded, chunk_tokens=config.chunk_tokens)
         ids.append(str(result.document_id))
     return ids
 
@@ -230,7 +233,10 @@ def evaluate_example(engine: CAG, example: Example, mode: str, config: EvalConfi
         example.question, target=config.target, mode=mode, top_k=config.top_k,
         replay=config.replay, document_ids=restrict,
     )
+    t0 = time.perf_counter()
     logprob = answer_logprob(prepared, example.answers[0])
+    # the engine measures first_token from prepared.started: leave the scoring time out
+    prepared.started += time.perf_counter() - t0
     answer = engine.generate(prepared, max_new_tokens=config.max_new_tokens)
     prediction = answer_span(answer.text)
     timings = {k: round(float(v), 2) for k, v in answer.timings_ms.items() if v is not None}
@@ -381,14 +387,24 @@ def run_eval(config: EvalConfig, progress: bool = True,
     with tempfile.TemporaryDirectory(prefix="cagkv-eval-") as tmp:
         workdir = Path(config.store) if config.store else Path(tmp)
         if todo:
-            contexts = unique_contexts(examples)
             store = make_store(workdir / "store")
-            doc_ids = dict(zip(contexts, ingest_contexts(store, contexts, config, progress=progress)))
+            doc_ids: dict[str, str] = {}
+
+            def document_of(context: str) -> str:
+                # oracle: ingest each context when first needed, so a run cut short has not
+                # paid for the rest; open: every context is ingested before any question
+                if context not in doc_ids:
+                    doc_ids[context] = ingest_contexts(store, [context], config, prefix="ctx")[0]
+                return doc_ids[context]
+
+            if config.retrieval == "open":
+                contexts = unique_contexts(examples)
+                doc_ids.update(zip(contexts, ingest_contexts(store, contexts, config, progress=progress)))
             engine = make_engine(store)
-            warm_up(engine, examples[0], config, doc_ids[examples[0].context])
+            warm_up(engine, todo[0][0], config, document_of(todo[0][0].context))
             bar = _progress(len(todo), "eval", progress)
             for example, mode in todo:
-                results.add(evaluate_example(engine, example, mode, config, doc_ids[example.context]))
+                results.add(evaluate_example(engine, example, mode, config, document_of(example.context)))
                 bar.update(1)
             bar.close()
         if config.kl_text:
@@ -402,7 +418,9 @@ def run_eval(config: EvalConfig, progress: bool = True,
         modes=config.modes, kl_rows=kl_rows, n_boot=config.n_boot, seed=config.seed,
         config=_run_config(config, header, started),
     )
-    _write_outputs(report, config, partial_path)
+    # keep the partial file while it holds rows this report leaves out (a larger --limit ran)
+    complete = len(rows) == len(results.qa) and len(kl_rows) == len(results.kl)
+    _write_outputs(report, config, partial_path if complete else None)
     return report
 
 
@@ -429,7 +447,7 @@ def _write_outputs(report: dict[str, Any], config: EvalConfig, partial_path: Pat
         tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, out)
         if partial_path is not None and partial_path.exists():
-            partial_path.unlink()  # every row is in the results file now
+            partial_path.unlink()  # every row it held is in the results file now
     if config.markdown:
         md = Path(config.markdown)
         md.parent.mkdir(parents=True, exist_ok=True)

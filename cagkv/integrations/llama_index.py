@@ -321,9 +321,9 @@ class CagkvRetriever(BaseRetriever):
         document_ids = matching_document_ids(self._store, self._filters)
         if document_ids == []:
             return []
-        hits = self._store.search(
-            query_bundle.query_str, k=self._top_k, document_ids=document_ids
-        )
+        # A query embedding given by the caller (same embedder as the store) is used as is.
+        query = query_bundle.query_str if query_bundle.embedding is None else query_bundle.embedding
+        hits = self._store.search(query, k=self._top_k, document_ids=document_ids)
         documents = _documents_by_id(self._store)
         return [_to_node(h.chunk_id, h.document_id, h.ord, h.score, h.text, documents) for h in hits]
 

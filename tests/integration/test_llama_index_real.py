@@ -61,3 +61,29 @@ def test_example_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
         assert set(result["sources"]) <= node_ids
         best = store.search(question, k=1)[0]
         assert "break" in best.text
+
+
+def test_llm_and_embedding_with_real_models():
+    pytest.importorskip("llama_index.core")
+    from cagkv.models import zoo
+
+    missing = [n for n in ("smollm2-135m", "minilm-l6") if not zoo.is_present(n)]
+    if missing:
+        pytest.skip(f"real models {missing} are not in {zoo.models_dir()}: run `cagkv models pull`")
+    from llama_index.core.base.llms.types import ChatMessage
+
+    from cagkv.integrations.llama_index import CagkvEmbedding, CagkvLLM
+    from cagkv.stores.embed import MiniLMEmbedder
+
+    llm = CagkvLLM(model="smollm2-135m", max_new_tokens=12)
+    assert llm.metadata.is_chat_model  # SmolLM2-Instruct has a chat template
+    reply = llm.chat([ChatMessage(role="user", content="What is the capital of France?")])
+    assert "paris" in reply.message.content.lower()
+    streamed = "".join(r.delta for r in llm.stream_chat([ChatMessage(role="user", content="What is the capital of France?")]))
+    assert streamed == reply.message.content
+
+    emb = CagkvEmbedding()
+    vec = emb.get_query_embedding("What does break do?")
+    assert len(vec) == 384
+    ref = MiniLMEmbedder().embed(["What does break do?"])[0]
+    assert max(abs(a - float(b)) for a, b in zip(vec, ref)) < 1e-5

@@ -20,10 +20,8 @@ from conftest import REAL_LMS, capture_pre_rope_keys
 pytestmark = pytest.mark.integration
 
 TEXT = (
-    "The Amazon rainforest covers much of the Amazon basin of South America. The basin "
-    "encompasses seven million square kilometres, of which five and a half million are "
-    "covered by the rainforest. The region includes territory belonging to nine nations, "
-    "and the majority of the forest is contained within Brazil."
+    "The Amazon rainforest covers much of the Amazon basin of South America. The region "
+    "includes territory of nine nations, and most of the forest is within Brazil."
 )
 QUESTION = " Question: which country holds most of the forest? Answer:"
 LOGIT_TOL = 2e-3  # fp32; measured differences are ~1e-5 (see docs/FOUNDATION.md)
@@ -48,6 +46,7 @@ def _ids(lm, text):
 
 
 def _fwd(lm, ids, **kw):
+    kw.setdefault("logits_to_keep", 1)  # only the next-token logits: the vocab projection is costly
     with torch.no_grad():
         return lm.model(ids, use_cache=True, **kw)
 
@@ -82,7 +81,7 @@ def test_converted_folder_is_clean(lm):
 
 def test_rotate_of_pre_rope_keys_equals_cached_keys(lm):
     ids = _ids(lm, TEXT)
-    keys, out = capture_pre_rope_keys(lm.model, lm.spec.family, ids)
+    keys, out = capture_pre_rope_keys(lm.model, lm.spec.family, ids, logits_to_keep=1)
     pos = torch.arange(ids.shape[1])
     worst = 0.0
     for i, rope in enumerate(lm.spec.rope):
@@ -109,7 +108,7 @@ def test_rebuilt_cache_gives_the_same_logits(lm):
 def test_gemma_longer_than_its_window(lm):
     if lm.spec.family != "gemma3_text":
         pytest.skip("only Gemma-3 has sliding-window layers")
-    ids = _ids(lm, (TEXT + " ") * 12)[:, :601]
+    ids = _ids(lm, (TEXT + " ") * 20)[:, :601]
     T = ids.shape[1] - 1
     assert T > 512
     native = _fwd(lm, ids[:, :-1])  # the model's own cache: sliding layers keep 511
@@ -152,7 +151,7 @@ def test_chunk_after_prefix_placed_back(lm, shift):
 def test_generate_from_rebuilt_cache_equals_native(lm):
     ids = _ids(lm, TEXT + QUESTION)
     T = ids.shape[1] - 1
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
     with torch.no_grad():
         native = lm.model.generate(ids, **kw)
         K, V = extract_kv(_fwd(lm, ids[:, :-1]).cache, lm.spec, torch.arange(T))

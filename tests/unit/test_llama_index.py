@@ -130,6 +130,18 @@ def test_ingestion_pipeline_keeps_node_boundaries_and_ids(tmp_path: Path, models
     s.close()
 
 
+def test_documents_of_one_file_stay_apart(tmp_path: Path, models: dict[str, str]):
+    s = CacheStore.open(tmp_path / "s", canonical=models["canonical"], embedder="hash-64")
+    pages = [Document(text=t, metadata={"file_path": "/data/book.pdf", "page": i}) for i, t in enumerate(TEXTS.values())]
+    ids = ingest_documents(s, pages)
+    docs = {d.id: d for d in s.list_documents()}
+    assert [docs[i].source for i in ids] == ["/data/book.pdf", "/data/book.pdf#2", "/data/book.pdf#3"]
+    assert [docs[i].metadata["page"] for i in ids] == [0, 1, 2]
+    assert ingest_documents(s, pages) == ids  # unchanged: same documents, nothing added
+    assert len(s.list_documents()) == 3
+    s.close()
+
+
 def test_writer_refuses_non_text_nodes(store: CacheStore):
     from llama_index.core.schema import ImageNode
 
@@ -151,6 +163,16 @@ def test_retriever_matches_store_search(store: CacheStore):
             assert n.node.relationships[NodeRelationship.SOURCE].node_id.startswith("doc-")
             # cagkv bookkeeping is not shown to the LLM
             assert CHUNK_ID not in n.node.get_content(metadata_mode="llm")
+
+
+def test_retriever_uses_a_given_query_embedding(store: CacheStore):
+    from llama_index.core.schema import QueryBundle
+
+    vec = HashEmbedder(64).embed([QUESTIONS[2]])[0].tolist()
+    nodes = CagkvRetriever(store, similarity_top_k=2).retrieve(QueryBundle("ignored words", embedding=vec))
+    assert _chunk_ids(nodes) == [str(h.chunk_id) for h in store.search(QUESTIONS[2], k=2)]
+    with pytest.raises(UsageError, match="embedding"):
+        CagkvRetriever(store).retrieve(QueryBundle("x", embedding=[0.1] * 7))
 
 
 def test_retriever_async_equals_sync(store: CacheStore):

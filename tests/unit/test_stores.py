@@ -435,7 +435,7 @@ def test_vector_index_persist_and_corruption(tmp_path: Path):
     p = tmp_path / "v.safetensors"
     idx.save(p)
     back = VectorIndex.load(p)
-    assert back.generation == 7 and back.ntotal == 9 and VectorIndex.read_generation(p) == 7
+    assert back.generation == 7 and back.ntotal == 9 and VectorIndex.read_stamp(p) == ("", 7)
     raw = bytearray(p.read_bytes())
     raw[-10] ^= 0xFF
     p.write_bytes(bytes(raw))

@@ -1,0 +1,135 @@
+"""Staged training on a tiny random pair: each stage lowers its own loss; only translator
+weights move; pairs, KL and ridge baseline behave."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from translate_fixtures import CORPUS, tiny_model  # noqa: E402
+
+from cagkv.translate.corpus import Continuation, Sample, make_samples, split_by_document  # noqa: E402
+from cagkv.translate.linear import fit_ridge  # noqa: E402
+from cagkv.translate.pairs import PairSet, build_pairs  # noqa: E402
+from cagkv.translate.train import Trainer, TrainConfig, kl_topk, make_optimizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> PairSet:
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    samples = [
+        Sample(CORPUS[0], [Continuation("follows", 'In the text, what comes right after "The quick"?', "brown fox")]),
+        Sample(CORPUS[2], [Continuation("blank", 'Fill in the blank: "Rivers flow to the ___."', "sea"),
+                           Continuation("next", "", CORPUS[3])]),
+        Sample(CORPUS[1], [Continuation("follows", 'In the text, what comes right after "they open"?', "at nine")]),
+    ]
+    folder = tmp_path_factory.mktemp("pairs")
+    build_pairs(src, tgt, samples, folder, topk=8, predict=5)
+    return PairSet(folder)
+
+
+def _trainer(pairs: PairSet, **kw) -> Trainer:
+    torch.manual_seed(0)
+    opts = dict(d_model=24, d_expert=32, experts=3, top_k=2, group_size=2, batch=3, e2e_accum=1, kl_positions=5,
+                log_every=1000, seed=0)
+    opts.update(kw)
+    tr = Trainer(tiny_model("llama", 4), tiny_model("gemma3", 6), pairs, pairs, TrainConfig(**opts))
+    tr.fit_stats()
+    return tr
+
+
+def test_pairs_content(pairs: PairSet) -> None:
+    rec = pairs[1]
+    assert rec["kinds"] == ["blank", "next"]
+    tgt = tiny_model("gemma3", 6)
+    assert rec["tgt_k"].shape[:2] == (tgt.spec.num_layers, tgt.spec.num_kv_heads)
+    assert rec["src_k"].shape[2] == rec["src_off"].shape[0] and rec["tgt_k"].shape[2] == rec["tgt_ids"].numel()
+    pos, ans = rec["c0_pos"], rec["c0_ans"]
+    assert bool(ans[-1]) and pos[-1] == rec["c0_ids"].numel() - 2  # last prediction is the answer's last token
+    assert rec["c0_q"].shape[2] == pos.numel()
+    assert bool((rec["c0_w"] >= 0).all())
+    assert bool((rec["c0_topv"] <= 0).all())
+
+
+def test_kl_topk_matches_full_kl() -> None:
+    torch.manual_seed(0)
+    p_logits, q_logits = torch.randn(4, 10), torch.randn(4, 10)
+    logp, logq = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    full = (logp.exp() * (logp - logq)).sum(-1)
+    top = logp.topk(10)  # K = V: the rest bucket is empty
+    torch.testing.assert_close(kl_topk(logq, top.indices, top.values), full, rtol=1e-4, atol=1e-5)
+    part = logp.topk(4)
+    assert bool((kl_topk(logq, part.indices, part.values) <= full + 1e-5).all())  # bucketing never adds KL
+    assert float(kl_topk(logp, part.indices, part.values).abs().max()) < 1e-5
+
+
+def _fixed_loss(tr: Trainer, stage: str) -> float:
+    with torch.no_grad():
+        recs = [tr.pairs[i] for i in range(len(tr.pairs))]
+        bt = tr.batch(recs)
+        keys, values, _ = tr.translate_batch(bt)
+        if stage == "regression":
+            return float(tr.regression_loss(keys, values, bt))
+        if stage == "attention":
+            return float(torch.stack([tr.attention_loss(keys, values, r, i) for i, r in enumerate(recs)]).mean())
+        losses = []
+        for i, r in enumerate(recs):
+            one = tr.batch([r])
+            k1, v1, _ = tr.translate_batch(one)
+            losses += [float(tr.e2e_loss(k1, v1, r, 0, j)) for j in range(len(r["kinds"]))]
+        return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("stage,steps", [("regression", 30), ("attention", 20), ("e2e", 12)])
+def test_each_stage_lowers_its_loss(pairs: PairSet, stage: str, steps: int) -> None:
+    tr = _trainer(pairs, lr=3e-3, lr_e2e=3e-3, anchor_weight=0.0)
+    if stage == "e2e":  # amplify the document's effect so the KL is not ~0 for a random target
+        tr.mot.head_w.data *= 3.0
+    before = _fixed_loss(tr, stage)
+    getattr(tr, f"stage_{stage}")(steps, make_optimizer(tr.mot, stage, tr.cfg))
+    after = _fixed_loss(tr, stage)
+    assert after < before * 0.9, (stage, before, after)
+
+
+def test_e2e_step_changes_only_translator(pairs: PairSet) -> None:
+    tr = _trainer(pairs)
+    target_before = {k: v.clone() for k, v in tr.target.model.state_dict().items()}
+    mot_before = {k: v.clone() for k, v in tr.mot.state_dict().items()}
+    tr.stage_e2e(2, make_optimizer(tr.mot, "e2e", tr.cfg))
+    for k, v in tr.target.model.state_dict().items():
+        assert torch.equal(v, target_before[k]), f"target weight {k} changed"
+    assert all(p.grad is None for p in tr.target.model.parameters())
+    changed = [k for k, v in tr.mot.state_dict().items() if not torch.equal(v, mot_before[k])]
+    assert any(k.startswith("W1") or k.startswith("head_w") for k in changed)
+
+
+def test_evaluate_reports_metrics(pairs: PairSet) -> None:
+    tr = _trainer(pairs)
+    m = tr.evaluate()
+    assert len(m["r2_per_layer"]) == 6 and m["r2_per_layer"][0] == pytest.approx(1.0, abs=1e-3)
+    assert m["answers"] == 3 and m["continuation_kl"] >= 0
+
+
+def test_ridge_baseline_fits_training_data(pairs: PairSet) -> None:
+    tr = _trainer(pairs)
+    before = _fixed_loss(tr, "regression")
+    tr.mot = fit_ridge(tr, lam=1.0)
+    assert _fixed_loss(tr, "regression") < before * 0.5
+
+
+def test_samples_have_answers_from_their_chunk() -> None:
+    docs = [(f"d{i}", " ".join(CORPUS[i % 5 : i % 5 + 4])) for i in range(8)]
+    samples = make_samples(docs, 10, seed=1, chars=(80, 400))
+    assert samples
+    for s in samples:
+        for c in s.conts:
+            if c.kind == "follows":
+                assert " ".join(c.answer.split()) in " ".join(s.text.split())
+            if c.kind == "blank":
+                assert "___" in c.question and c.answer in s.text
+    train, held = split_by_document(samples, 0.25)
+    assert not {s.source for s in train} & {s.source for s in held}
