@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--text", type=Path, nargs="*", default=[DEFAULT_TEXT])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", help="dtype the target answers in")
+    parser.add_argument("--embedder", default=None, help="store embedder (default minilm-l6)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
@@ -82,12 +83,12 @@ def main() -> None:
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     lengths = [int(x) for x in args.lengths.split(",")]
-    canonical = load(args.canonical, dtype=torch.bfloat16)  # the ingest default dtype
+    canonical = load(args.canonical, dtype=torch.float32)
     text = read_text(args.text)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cagkv-ttft-") as tmp:
         store = CacheStore.open(Path(tmp) / "store", canonical=args.canonical,
-                                fingerprint=canonical.fingerprint)
+                                fingerprint=canonical.fingerprint, embedder=args.embedder)
         contexts = [context_of(text, canonical.tokenizer, n) for n in lengths]
         doc_ids = [str(ingest_text(store, c, f"ttft:{n}", loaded=canonical,
                                    chunk_tokens=args.chunk_tokens).document_id)

@@ -1,8 +1,11 @@
 """Documents -> chunks of at most `max_tokens` model tokens, cut on sentence boundaries.
 
 A sentence ends at ., ! or ? (closing quotes/brackets included) followed by whitespace,
-or at a blank line. Sentences are packed greedily; a single sentence longer than the
-budget is cut at token boundaries. Each chunk keeps its character span in the document.
+or at a blank line. Sentences are packed greedily; a section heading (a Markdown `#`
+line, or a line underlined with `***`, `===` or `---`) starts a new chunk once the
+current one is at least half full, so headings stay with their section. A single
+sentence longer than the budget is cut at token boundaries. Each chunk keeps its
+character span in the document.
 
 Example:
     >>> chunks = chunk_text(text, loaded.tokenizer, max_tokens=256)
@@ -20,6 +23,10 @@ from typing import Any
 _BOUNDARY = re.compile(r"[.!?。！？][\"'”’)\]]*\s+|\n[ \t]*\n\s*")
 # Above this share of the budget the estimate (sum of per-sentence counts) is checked exactly.
 _EXACT_CHECK_FROM = 0.85
+# A section heading: "# Title" (Markdown) or a title line underlined with *, = or -.
+_HEADING = re.compile(r"#{1,6} \S|[^\n]+\n[*=\-]{3,}[ \t]*(\n|$)")
+# Cut before a heading once the chunk holds this share of the budget.
+_HEADING_CUT_FROM = 0.5
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ def chunk_text(text: str, tokenizer: Any, max_tokens: int = 256) -> list[TextChu
             chunks.extend(_hard_split(text, start, end, tokenizer, max_tokens))
             continue
         if current and estimate + count > max_tokens:
+            flush()
+        elif current and estimate >= _HEADING_CUT_FROM * max_tokens and _HEADING.match(text, start):
             flush()
         elif current and estimate + count > _EXACT_CHECK_FROM * max_tokens:
             # Separately tokenized sentences may merge differently when joined: check exactly.

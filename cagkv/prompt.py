@@ -144,8 +144,12 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 def _end_of_turn_ids(tokenizer: Any) -> set[int]:
-    vocab = tokenizer.get_vocab()
-    return {vocab[t] for t in _END_OF_TURN if t in vocab}
+    ids = set()
+    for token in _END_OF_TURN:  # convert_tokens_to_ids: no full-vocab dict (Gemma has 262k)
+        i = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and tokenizer.convert_ids_to_tokens(i) == token:
+            ids.add(i)
+    return ids
 
 
 def _special_prefix(tokenizer: Any) -> list[int]:

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--store", default=None, help="cagkv store folder (default: a temp folder)")
     p.add_argument("--canonical", default="smollm2-135m", help="model that prefills the caches")
     p.add_argument("--target", default="gemma3-270m", help="model that answers")
-    p.add_argument("--mode", default="auto", help="auto | translate | canonical | native | none")
+    p.add_argument("--mode", default="translate", help="translate | auto | canonical | native | none")
     p.add_argument("--question", action="append", help="question (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--chunk-size", type=int, default=200, help="SentenceSplitter chunk size")
@@ -70,10 +70,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     nodes = pipeline.run(documents=documents)
     print(f"ingested {len(documents)} document(s) as {len(nodes)} node(s) into {store_dir}")
 
-    # 3. A query engine answering from the stored caches, for a different target model.
-    engine = CagkvQueryEngine(
-        CAG(store), target=args.target, mode=args.mode, max_new_tokens=args.max_new_tokens
-    )
+    # 3. A query engine answering from the stored caches, translated for another model.
+    cag = CAG(store)
+    mode = args.mode
+    if mode == "translate" and cag.translator_for(cag.model(cag.canonical), cag.model(args.target)) is None:
+        print(f"no translator {cag.canonical} -> {args.target} installed (train one with "
+              "`cagkv train`): using --mode auto")
+        mode = "auto"
+    engine = CagkvQueryEngine(cag, target=args.target, mode=mode, max_new_tokens=args.max_new_tokens)
     results = []
     for question in args.question or QUESTIONS:
         response = engine.query(question)

@@ -5,7 +5,7 @@ for shared deployments). Readers get a snapshot per `read()` block (SQLite: an e
 BEGIN; PostgreSQL: REPEATABLE READ), so a search never mixes two committed states.
 
 Tables:
-    documents  (id, source unique, content_hash, metadata JSON, num_chars, created)
+    documents  (id, source, source_hash unique, content_hash, metadata JSON, num_chars, created)
     chunks     (id never reused, document_id, ord, text, start_char, end_char,
                 token_count, blob_key, checksum, nbytes, embedding float32 bytes)
     models     (name, fingerprint, spec JSON)
@@ -18,6 +18,7 @@ Tables:
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import re
 import uuid
 from collections.abc import Iterator
@@ -49,6 +50,10 @@ from cagkv.errors import StoreError
 SCHEMA_VERSION = 1
 
 
+class NoCatalogError(StoreError):
+    """The database holds no cagkv catalog (and `create` was not asked)."""
+
+
 class Base(DeclarativeBase):
     pass
 
@@ -58,7 +63,9 @@ class Document(Base):
     __table_args__ = {"sqlite_autoincrement": True}
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    source: Mapped[str] = mapped_column(String(4096), unique=True)
+    source: Mapped[str] = mapped_column(Text)
+    # unique on the hash, not the text: PostgreSQL btree entries are limited to ~2.7 kB
+    source_hash: Mapped[str] = mapped_column(String(64), unique=True)
     content_hash: Mapped[str] = mapped_column(String(64), index=True)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     num_chars: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -110,6 +117,10 @@ class Meta(Base):
     value: Mapped[Any] = mapped_column(JSON)
 
 
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
 def now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -144,10 +155,14 @@ class Catalog:
                     s.add(Meta(key="generation", value=0))
                     s.add(Meta(key="store_id", value=uuid.uuid4().hex))
             elif not has_meta:
-                raise StoreError(f"no cagkv catalog at {redact(url)}")
+                raise NoCatalogError(f"no cagkv catalog at {redact(url)}")
             version = self.get_meta("schema_version")
         except OperationalError as e:
+            self.engine.dispose()
             raise StoreError(f"cannot open catalog {redact(url)}: {_short(e)}") from None
+        except BaseException:
+            self.engine.dispose()
+            raise
         if version != SCHEMA_VERSION:
             raise StoreError(
                 f"catalog {redact(url)} has schema version {version!r}; this cagkv reads version {SCHEMA_VERSION}"
@@ -231,6 +246,7 @@ __all__ = [
     "Chunk",
     "Document",
     "Meta",
+    "NoCatalogError",
     "Model",
     "SQLAlchemyError",
     "Translator",

@@ -46,7 +46,7 @@ from cagkv.errors import CorruptBlobError, StoreError, UsageError
 from cagkv.kv import KVBlock
 
 from .blobs import BlobStore, check_key, open_blob_store, sha256
-from .catalog import Catalog, Chunk, Document, Model, Translator, now, redact, sqlite_url
+from .catalog import Catalog, Chunk, NoCatalogError, Document, Model, Translator, now, redact, source_hash, sqlite_url
 from .embed import DEFAULT_EMBEDDER, Embedder, make_embedder, normalise
 from .vectors import CorruptIndexError, VectorIndex
 
@@ -67,6 +67,12 @@ FAULT_POINTS = (
     "remove_after_commit",
     "remove_before_blob_delete",
 )
+
+
+_MANAGED_META = (
+    "schema_version", "store_id", "generation", "canonical", "canonical_fingerprint",
+    "embedder", "embedding_dim", "kv_layout",
+)  # fmt: skip
 
 
 class ChunksChangedError(StoreError):
@@ -181,7 +187,7 @@ class CacheStore:
         self._embedder = embedder
         self._index: VectorIndex | None = None
         self._lock_depth = 0
-        self._lock_fd: int | None = None
+        self._lock_cm: Any = None
         self._thread_lock = threading.RLock()
         self._defer_index_save = 0
         self._meta_cache: dict[str, Any] = {}
@@ -227,7 +233,14 @@ class CacheStore:
             raise StoreError(f"store {root} is not writable")
         if db_url is None and not create and not (root / "catalog.db").exists():
             raise StoreError(f"no cagkv store at {root} (no catalog.db)")
-        catalog = Catalog(db_url or sqlite_url(root / "catalog.db"), create=create)
+        url = db_url or sqlite_url(root / "catalog.db")
+        try:
+            catalog = Catalog(url, create=False)  # readers of an existing store take no lock
+        except NoCatalogError:
+            if not create:
+                raise
+            with _file_lock(root / LOCK_FILE, lock_timeout):  # two creators: one creates, one opens
+                catalog = Catalog(url, create=True)
         try:
             blobs = open_blob_store(blob_url or root / "blobs")
             store = cls(root, catalog, blobs, None, quantize, lock_timeout)
@@ -304,7 +317,7 @@ class CacheStore:
 
     def set_meta(self, key: str, value: Any) -> None:
         """Record a store-wide setting (e.g. `chunking`); JSON-serialisable values only."""
-        if key in ("schema_version", "generation", "canonical", "canonical_fingerprint", "embedder", "embedding_dim"):
+        if key in _MANAGED_META:
             raise UsageError(f"meta key {key!r} is managed by the store")
         _check_json(value, "meta value")
         with self._write_lock(), self.catalog.write() as s:
@@ -319,32 +332,15 @@ class CacheStore:
         """Exclusive inter-process writer lock (fcntl on `write.lock`); re-entrant in-process."""
         with self._thread_lock:
             if self._lock_depth == 0:
-                try:
-                    fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-                except OSError as e:
-                    raise StoreError(f"store {self.path} is not writable: {e.strerror}") from None
-                deadline = time.monotonic() + self.lock_timeout
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            os.close(fd)
-                            raise StoreError(
-                                f"store {self.path} is busy: another process holds its write lock"
-                            ) from None
-                        time.sleep(0.02)
-                self._lock_fd = fd
+                self._lock_cm = _file_lock(self.path / LOCK_FILE, self.lock_timeout)
+                self._lock_cm.__enter__()
             self._lock_depth += 1
             try:
                 yield
             finally:
                 self._lock_depth -= 1
-                if self._lock_depth == 0 and self._lock_fd is not None:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
+                if self._lock_depth == 0:
+                    self._lock_cm.__exit__(None, None, None)
 
     @contextmanager
     def batch(self) -> Iterator[CacheStore]:
@@ -415,7 +411,7 @@ class CacheStore:
     def has_document(self, source: str, text: str) -> bool:
         """True when `source` is stored with exactly this text (ingest would be skipped)."""
         with self.catalog.read() as s:
-            h = s.scalar(select(Document.content_hash).where(Document.source == source))
+            h = s.scalar(select(Document.content_hash).where(Document.source_hash == source_hash(source)))
         return h == content_hash(text)
 
     def add_document(
@@ -447,16 +443,18 @@ class CacheStore:
         chash = content_hash(text)
         with self._write_lock():
             with self.catalog.read() as s:
-                old = s.execute(select(Document.id, Document.content_hash).where(Document.source == source)).first()
+                old = s.execute(select(Document.id, Document.content_hash).where(Document.source_hash == source_hash(source))).first()
             if old is not None and old.content_hash == chash:
                 return AddResult(int(old.id), "unchanged")
             canon_fp = self.canonical_fingerprint
+            layout = self._fixed_meta("kv_layout")
             rows: list[dict[str, Any]] = []
             texts: list[str] = []
             created: list[str] = []  # blobs this call made: removed again if it fails before the commit
             try:
                 _fault("before_blobs")
                 for i, (chunk, block) in enumerate(chunks):
+                    layout = _check_layout(i, block, layout)
                     row, new_blob = self._put_chunk(i, chunk, block, text, canon_fp)
                     rows.append(row)
                     if new_blob:
@@ -472,7 +470,9 @@ class CacheStore:
                     old_ids, old_keys = self._delete_document_rows(s, source)
                     if self.catalog.get_meta("canonical_fingerprint", session=s) is None and canon_fp:
                         self.catalog.set_meta(s, "canonical_fingerprint", canon_fp)
-                    doc = Document(source=source, content_hash=chash, meta=metadata, num_chars=len(text), created=now())
+                    if self.catalog.get_meta("kv_layout", session=s) is None and layout:
+                        self.catalog.set_meta(s, "kv_layout", layout)
+                    doc = Document(source=source, source_hash=source_hash(source), content_hash=chash, meta=metadata, num_chars=len(text), created=now())
                     s.add(doc)
                     s.flush()
                     chunk_rows = [
@@ -542,7 +542,7 @@ class CacheStore:
 
     def _delete_document_rows(self, s: Session, source: str | int) -> tuple[list[int], set[str]]:
         """Delete a document and its chunks inside `s`; return (chunk ids, blob keys)."""
-        cond = Document.id == source if isinstance(source, int) else Document.source == source
+        cond = _doc_cond(source)
         doc_id = s.scalar(select(Document.id).where(cond))
         if doc_id is None:
             return [], set()
@@ -569,11 +569,7 @@ class CacheStore:
         with self._write_lock():
             idx = self._writer_index()
             with self.catalog.write() as s:
-                exists = s.scalar(
-                    select(Document.id).where(
-                        Document.id == document if isinstance(document, int) else Document.source == document
-                    )
-                )
+                exists = s.scalar(select(Document.id).where(_doc_cond(document)))
                 if exists is None:
                     if missing_ok:
                         return 0
@@ -604,12 +600,13 @@ class CacheStore:
                 raise UsageError(f"question embedding must be [{self.embedding_dim}] finite values")
         if k <= 0:
             return []
+        doc_ids = None if document_ids is None else _as_ids(document_ids)
         with self.catalog.read() as s:
             gen = int(self.catalog.get_meta("generation", session=s))
             idx = self._index_for(s, gen)
             allowed = None
             if document_ids is not None:
-                allowed = s.scalars(select(Chunk.id).where(Chunk.document_id.in_(list(document_ids)))).all()
+                allowed = s.scalars(select(Chunk.id).where(Chunk.document_id.in_(doc_ids))).all()
             found = idx.search(q, k, allowed)
             if not found:
                 return []
@@ -629,7 +626,7 @@ class CacheStore:
 
     def load_blocks(self, chunk_ids: Sequence[int]) -> list[KVBlock]:
         """The KV blocks of `chunk_ids`, in that order; every blob checked against its checksum."""
-        ids = [int(c) for c in chunk_ids]
+        ids = _as_ids(chunk_ids)
         with self.catalog.read() as s:
             rows = {
                 r.id: r
@@ -684,7 +681,7 @@ class CacheStore:
         raise AssertionError("unreachable")
 
     def get_document(self, document: int | str) -> DocumentInfo:
-        cond = Document.id == document if isinstance(document, int) else Document.source == document
+        cond = _doc_cond(document)
         docs = self._documents(cond)
         if not docs:
             raise UsageError(f"no document {document!r} in store {self.path}")
@@ -728,7 +725,9 @@ class CacheStore:
             n, tokens, nbytes = s.execute(
                 select(func.count(Chunk.id), func.coalesce(func.sum(Chunk.token_count), 0), func.coalesce(func.sum(Chunk.nbytes), 0))
             ).one()
-            meta = {k: self.catalog.get_meta(k, session=s) for k in ("canonical", "canonical_fingerprint", "embedder", "embedding_dim", "generation", "schema_version", "chunking")}
+            keys = ("canonical", "canonical_fingerprint", "embedder", "embedding_dim", "generation",
+                    "schema_version", "store_id", "kv_layout", "chunking")  # fmt: skip
+            meta = {k: self.catalog.get_meta(k, session=s) for k in keys}
         return {
             "path": str(self.path),
             "catalog": redact(self.catalog.url),
@@ -800,6 +799,62 @@ class CacheStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _doc_cond(document: int | str) -> Any:
+    """The WHERE clause selecting a document by id (int) or source (str)."""
+    if isinstance(document, bool) or not isinstance(document, (int, str)):
+        raise UsageError(f"a document is named by its id (int) or source (str), got {document!r}")
+    if isinstance(document, int):
+        return Document.id == document
+    _check_text(document, "document source", MAX_SOURCE_CHARS)
+    return Document.source_hash == source_hash(document)
+
+
+@contextmanager
+def _file_lock(path: Path, timeout: float) -> Iterator[None]:
+    """fcntl exclusive lock on `path`, polled until `timeout` (then StoreError: busy)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StoreError(f"store {path.parent} is not writable: {e.strerror}") from None
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreError(f"store {path.parent} is busy: another process holds its write lock") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _check_layout(i: int, block: KVBlock, layout: dict[str, Any] | None) -> dict[str, Any]:
+    """Every block of a store has one dtype and [L, H, *, D] layout (recorded by the first)."""
+    if not isinstance(block, KVBlock):
+        raise UsageError(f"chunk {i}: expected a KVBlock, got {type(block).__name__}")
+    mine = {
+        "dtype": str(block.dtype).removeprefix("torch."),
+        "layers": int(block.keys.shape[0]),
+        "heads": int(block.keys.shape[1]),
+        "head_dim": int(block.keys.shape[3]),
+        "positions_free": bool(block.positions_free),
+    }
+    if layout is not None and mine != layout:
+        raise StoreError(f"chunk {i}: KV layout {mine} differs from the store's {layout}")
+    return mine
+
+
+def _as_ids(values: Iterable[Any]) -> list[int]:
+    """Ids given as ints or digit strings (LlamaIndex passes strings) -> ints."""
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise UsageError(f"ids must be integers, got {list(values)[:5]!r}") from None
 
 
 def _check_text(s: Any, what: str, limit: int) -> None:

@@ -78,7 +78,19 @@ class EvalConfig:
     n_boot: int = 2000
     command: str | None = None
 
+    variants: dict[str, str] = field(default_factory=dict)  # label -> translator artifact
+
     def __post_init__(self) -> None:
+        # "NAME=PATH" in --modes: a `translate` row with the artifact at PATH, labelled NAME
+        labels = []
+        for mode in self.modes:
+            label, sep, path = mode.partition("=")
+            if sep:
+                if not label or not path:
+                    raise UsageError(f"--modes: expected NAME=TRANSLATOR_DIR, got {mode!r}")
+                self.variants[label] = path
+            labels.append(label)
+        self.modes = labels
         if self.retrieval not in ("oracle", "open"):
             raise UsageError(f"--retrieval: expected one of oracle, open, got {self.retrieval!r}")
         if not self.modes:
@@ -183,6 +195,70 @@ def ingest_contexts(store: Any, texts: Sequence[str], config: EvalConfig, prefix
     return ids
 
 
+# ---------------------------------------------------------------------- modes -> engine calls
+
+
+class ModeRunner:
+    """Maps an eval mode to an engine call: engine modes (none, native, canonical,
+    translate) as they are; a `NAME=PATH` variant runs `translate` with the artifact at
+    PATH (e.g. the `linear` baseline or a single-expert ablation), same store and models."""
+
+    def __init__(self, engine: CAG, config: EvalConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self._variants: dict[str, CAG] = {}
+
+    def engine_for(self, mode: str) -> tuple[CAG, str]:
+        if mode not in self.config.variants:
+            return self.engine, mode
+        if mode not in self._variants:
+            from cagkv.pipeline import CAG
+
+            base = self.engine
+            self._variants[mode] = CAG(base.store, canonical=base.canonical, dtype=base.dtype,
+                                       find_translator=_artifact_loader(self.config.variants[mode]))
+        return self._variants[mode], "translate"
+
+    def prepare(self, mode: str, question: str, document_ids: list[str] | None,
+                top_k: int | None = None) -> tuple[CAG, Any]:
+        engine, engine_mode = self.engine_for(mode)
+        replay = self.config.replay if engine_mode == "translate" else 0
+        prepared = engine.prepare(question, target=self.config.target, mode=engine_mode,
+                                  top_k=top_k or self.config.top_k, replay=replay,
+                                  document_ids=document_ids)
+        return engine, prepared
+
+
+def _artifact_loader(path: str) -> Callable[[str, str], Any]:
+    """find_translator for one artifact folder, loaded once."""
+    loaded: dict[tuple[str, str], Any] = {}
+
+    def find(source_fp: str, target_fp: str) -> Any:
+        if (source_fp, target_fp) not in loaded:
+            from cagkv.translate import load_translator
+
+            loaded[(source_fp, target_fp)] = load_translator(path, source_fp, target_fp)
+        return loaded[(source_fp, target_fp)]
+
+    return find
+
+
+def _cached_finder() -> Callable[[str, str], Any]:
+    """`cagkv.translate.find_translator`, loading each pair's artifact once per run."""
+    found: dict[tuple[str, str], Any] = {}
+
+    def find(source_fp: str, target_fp: str) -> Any:
+        if (source_fp, target_fp) not in found:
+            try:
+                from cagkv.translate import find_translator
+            except ImportError:
+                return None
+            found[(source_fp, target_fp)] = find_translator(source_fp, target_fp)
+        return found[(source_fp, target_fp)]
+
+    return find
+
+
 # ---------------------------------------------------------------------- one example
 
 
@@ -225,14 +301,11 @@ def answer_logprob(prepared: Any, answer: str) -> float:
     return float(picked.mean())
 
 
-def evaluate_example(engine: CAG, example: Example, mode: str, config: EvalConfig,
+def evaluate_example(runner: ModeRunner, example: Example, mode: str, config: EvalConfig,
                      document_id: str | None) -> dict[str, Any]:
     """One row: prepare the mode's cache, score the gold answer, decode the greedy answer."""
     restrict = [document_id] if (config.retrieval == "oracle" and document_id is not None) else None
-    prepared = engine.prepare(
-        example.question, target=config.target, mode=mode, top_k=config.top_k,
-        replay=config.replay, document_ids=restrict,
-    )
+    engine, prepared = runner.prepare(mode, example.question, restrict)
     t0 = time.perf_counter()
     logprob = answer_logprob(prepared, example.answers[0])
     # the engine measures first_token from prepared.started: leave the scoring time out
@@ -246,6 +319,7 @@ def evaluate_example(engine: CAG, example: Example, mode: str, config: EvalConfi
         "id": example.id,
         "mode": mode,
         "resolved_mode": getattr(prepared, "mode", mode),
+        "translator": config.variants.get(mode),
         "prediction": prediction,
         "answer": answer.text[:200],
         "em": exact_match(prediction, example.answers),
@@ -260,12 +334,11 @@ def evaluate_example(engine: CAG, example: Example, mode: str, config: EvalConfi
     }
 
 
-def warm_up(engine: CAG, example: Example, config: EvalConfig, document_id: str) -> None:
+def warm_up(runner: ModeRunner, example: Example, config: EvalConfig, document_id: str) -> None:
     """One untimed answer per mode, so model and translator loading are not counted as TTFT."""
     restrict = [document_id] if config.retrieval == "oracle" else None
     for mode in config.modes:
-        prepared = engine.prepare(example.question, target=config.target, mode=mode,
-                                  top_k=config.top_k, replay=config.replay, document_ids=restrict)
+        engine, prepared = runner.prepare(mode, example.question, restrict)
         engine.generate(prepared, max_new_tokens=1)
 
 
@@ -302,16 +375,16 @@ def evaluate_kl_text(engine_factory: Callable[[Any], CAG], store_factory: Callab
         return
     store = store_factory(workdir / "kl_store")
     doc_ids = ingest_contexts(store, [c for c, _ in pairs], config, prefix="kl", progress=progress)
-    engine = engine_factory(store)
+    runner = ModeRunner(engine_factory(store), config)
     bar = _progress(len(todo), "kl-text", progress)
     for w, (_, continuation) in enumerate(pairs):
         modes = [m for m in config.modes if (m, w) not in results.kl]
         if not modes:
             continue
-        native = _window_logits(engine, "native", doc_ids[w], continuation, config)
+        native = _window_logits(runner, "native", doc_ids[w], continuation, config)
         ref = torch.log_softmax(native, dim=-1)  # [T, V]
         for mode in modes:
-            logits = native if mode == "native" else _window_logits(engine, mode, doc_ids[w], continuation, config)
+            logits = native if mode == "native" else _window_logits(runner, mode, doc_ids[w], continuation, config)
             logp = torch.log_softmax(logits, dim=-1)
             kl = (ref.exp() * (ref - logp)).sum(-1).mean()  # mean over positions of KL(native || mode)
             results.add({"kind": "kl", "mode": mode, "window": w, "kl": round(float(kl), 5)})
@@ -319,10 +392,9 @@ def evaluate_kl_text(engine_factory: Callable[[Any], CAG], store_factory: Callab
     bar.close()
 
 
-def _window_logits(engine: CAG, mode: str, document_id: str, continuation: str,
+def _window_logits(runner: ModeRunner, mode: str, document_id: str, continuation: str,
                    config: EvalConfig) -> torch.Tensor:
-    prepared = engine.prepare("Continue the text.", target=config.target, mode=mode,
-                              top_k=8, replay=config.replay, document_ids=[document_id])
+    _, prepared = runner.prepare(mode, "Continue the text.", [document_id], top_k=8)
     ids = list(prepared.target.tokenizer(continuation, add_special_tokens=False)["input_ids"])
     ids = ids[: config.kl_continuation_tokens]
     return continuation_logits(prepared, ids)  # [T, V], no prompt suffix: the text goes on
@@ -348,7 +420,7 @@ def _default_engine_factory(config: EvalConfig) -> Callable[[Any], CAG]:
     def make(store: Any) -> CAG:
         from cagkv.pipeline import CAG
 
-        return CAG(store, canonical=config.canonical, dtype=config.dtype)
+        return CAG(store, canonical=config.canonical, dtype=config.dtype, find_translator=_cached_finder())
 
     return make
 
@@ -400,11 +472,11 @@ def run_eval(config: EvalConfig, progress: bool = True,
             if config.retrieval == "open":
                 contexts = unique_contexts(examples)
                 doc_ids.update(zip(contexts, ingest_contexts(store, contexts, config, progress=progress)))
-            engine = make_engine(store)
-            warm_up(engine, todo[0][0], config, document_of(todo[0][0].context))
+            runner = ModeRunner(make_engine(store), config)
+            warm_up(runner, todo[0][0], config, document_of(todo[0][0].context))
             bar = _progress(len(todo), "eval", progress)
             for example, mode in todo:
-                results.add(evaluate_example(engine, example, mode, config, document_of(example.context)))
+                results.add(evaluate_example(runner, example, mode, config, document_of(example.context)))
                 bar.update(1)
             bar.close()
         if config.kl_text:
@@ -477,5 +549,5 @@ def command_line() -> str:
     return "cagkv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-__all__ = ["EvalConfig", "run_eval", "evaluate_example", "answer_logprob", "answer_ids",
+__all__ = ["EvalConfig", "ModeRunner", "run_eval", "evaluate_example", "answer_logprob", "answer_ids",
            "continuation_logits", "ingest_contexts", "PartialResults", "TIMING_KEYS"]

@@ -231,26 +231,26 @@ def _document_fields(doc: Any) -> dict[str, Any]:
 
 
 def _match_all(meta: dict[str, Any], filters: MetadataFilters) -> bool:
-    results = (
+    """LlamaIndex's own semantics (`vector_stores.utils.build_metadata_filter_fn`), nested."""
+    results = [
         _match_all(meta, f) if isinstance(f, MetadataFilters) else _match_one(meta, f)
         for f in filters.filters
-    )
-    condition = filters.condition or FilterCondition.AND
-    if condition == FilterCondition.AND:
-        return all(results)
-    if condition == FilterCondition.OR:
-        return any(results)
-    if condition == FilterCondition.NOT:  # NOT(a, b) = not (a and b)
-        return not all(results)
-    raise NotImplementedError(f"expected filter condition and/or/not, got {condition!r}")
+    ]
+    match filters.condition or FilterCondition.AND:
+        case FilterCondition.AND:
+            return all(results)
+        case FilterCondition.OR:
+            return any(results)
+        case FilterCondition.NOT:  # none of the filters matches
+            return not any(results)
+    raise NotImplementedError(f"expected filter condition and/or/not, got {filters.condition!r}")
 
 
 def _match_one(meta: dict[str, Any], f: MetadataFilter) -> bool:
-    op, want, has = f.operator, f.value, f.key in meta
-    got = meta.get(f.key)
+    op, want, got = f.operator, f.value, meta.get(f.key)
     if op == FilterOperator.IS_EMPTY:
         return got is None or got == [] or got == ""
-    if not has:
+    if got is None:
         return op in (FilterOperator.NE, FilterOperator.NIN)
     try:
         match op:
@@ -267,26 +267,22 @@ def _match_one(meta: dict[str, Any], f: MetadataFilter) -> bool:
             case FilterOperator.LTE:
                 return bool(got <= want)
             case FilterOperator.IN:
-                return got in _as_list(want)
+                return got in want
             case FilterOperator.NIN:
-                return got not in _as_list(want)
-            case FilterOperator.ANY:
-                return any(v in _as_list(got) for v in _as_list(want))
-            case FilterOperator.ALL:
-                return all(v in _as_list(got) for v in _as_list(want))
+                return got not in want
             case FilterOperator.CONTAINS:
-                return want in _as_list(got)
+                return want in got
+            case FilterOperator.ANY:
+                return any(v in got for v in want)
+            case FilterOperator.ALL:
+                return all(v in got for v in want)
             case FilterOperator.TEXT_MATCH:
-                return str(want) in str(got)
+                return isinstance(got, str) and isinstance(want, str) and want in got
             case FilterOperator.TEXT_MATCH_INSENSITIVE:
-                return str(want).lower() in str(got).lower()
-    except TypeError:  # e.g. "a" > 3: a mismatched type never matches
+                return isinstance(got, str) and isinstance(want, str) and want.lower() in got.lower()
+    except TypeError:  # e.g. "a" > 3 or 3 in 5: a mismatched type never matches
         return False
     raise NotImplementedError(f"filter operator {op!r} is not supported by cagkv")
-
-
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple, set)) else [value]
 
 
 # --- retrieval ------------------------------------------------------------------------

@@ -114,10 +114,12 @@ def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer | None
         return keys
     _check(keys, positions, rope)
     cos, sin = cos_sin(rope, positions, keys.device)
-    s2 = rope.attention_scaling**2  # rotate scales by s; (R^-1 with scaled cos/sin) scales by s again
+    # Invert the map the model applied: cos/sin rounded to the keys' dtype (bf16 rounding makes
+    # it slightly non-orthogonal) and scaled by attention_scaling, so divide by cos^2 + sin^2.
+    cos, sin = cos.to(keys.dtype).float(), sin.to(keys.dtype).float()
     rd = rope.rotary_dim
     k = keys[..., :rd].float()
-    out = ((k * cos) - (_rotate_half(k) * sin)) / s2
+    out = ((k * cos) - (_rotate_half(k) * sin)) / (cos * cos + sin * sin)
     out = out.to(keys.dtype)
     return out if rd == keys.shape[-1] else torch.cat((out, keys[..., rd:]), dim=-1)
 

@@ -93,7 +93,7 @@ def load_translator(path: str | Path, source_fp: str | None = None, target_fp: s
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise TranslatorError(f"translator weights at {wfile} do not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return Translator(model, card)
+    return Translator(model, card, path=str(path))
 
 
 def translator_dirs() -> list[Path]:

@@ -287,8 +287,8 @@ class Trainer:
                 reg = self.regression_loss(keys, values, bt)
                 total = kl + self.cfg.anchor_weight * reg + self.cfg.aux_weight * out.aux_loss
                 (total / self.cfg.e2e_accum).backward()
-                stats["loss"] += float(kl) / self.cfg.e2e_accum
-                stats["reg"] += float(reg) / self.cfg.e2e_accum
+                stats["loss"] += kl.item() / self.cfg.e2e_accum
+                stats["reg"] += reg.item() / self.cfg.e2e_accum
             torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
             opt.step()
             self._after_step("e2e", step, steps, stats, ckpt)

@@ -92,9 +92,10 @@ def assemble_kv(
 class Translator:
     """A trained translator for one (source, target) model pair. See module doc."""
 
-    def __init__(self, model: MoTTranslator, card: dict[str, Any]) -> None:
+    def __init__(self, model: MoTTranslator, card: dict[str, Any], path: str | None = None) -> None:
         self.model = model.eval()
         self.card = card
+        self.path = path  # artifact folder, when loaded from one
 
     @property
     def source_fingerprint(self) -> str:
@@ -120,13 +121,24 @@ class Translator:
         q = self.quality
         return q is not None and q >= self.auto_threshold
 
-    def translate(self, block: KVBlock, target: LoadedModel) -> KVBlock:
+    def good_enough(self) -> tuple[bool, str]:
+        """`auto` mode's verdict from the card: (passes, reason with the numbers)."""
+        q = self.quality
+        metric = self.card.get("quality", {}).get("metric", "quality")
+        if q is None:
+            return False, "its card records no held-out quality"
+        verb = ">=" if q >= self.auto_threshold else "<"
+        return q >= self.auto_threshold, f"held-out {metric} {q:.3f} {verb} threshold {self.auto_threshold:.2f}"
+
+    def translate(self, block: KVBlock, target: LoadedModel, replay: int = 0) -> KVBlock:
         """Translate one source block into the target's KV format (see module doc)."""
-        return self.translate_many([block], target)[0]
+        return self.translate_many([block], target, replay=replay)[0]
 
     @torch.no_grad()
-    def translate_many(self, blocks: Sequence[KVBlock], target: LoadedModel) -> list[KVBlock]:
+    def translate_many(self, blocks: Sequence[KVBlock], target: LoadedModel, replay: int = 0) -> list[KVBlock]:
         """Translate several blocks in one padded batch."""
+        if replay:
+            raise TranslatorError(f"this translator has no replay support (asked replay={replay}); use replay=0")
         self.check_models(blocks, target)
         if not blocks:
             return []

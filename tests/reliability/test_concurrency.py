@@ -154,3 +154,21 @@ def test_lock_timeout_is_a_clear_error(tmp_path: Path):
         assert s.search(question(9, 3), k=1) == []  # readers still work
     finally:
         os.close(fd)
+
+
+def _create_and_add(path: str, w: int) -> None:
+    s = open_store(path)
+    add(s, f"c{w}.txt", doc_text(300 + w))
+    s.close()
+
+
+def test_concurrent_creation_of_one_store(tmp_path: Path):
+    """Four processes create the same new store at once: one creates, all succeed."""
+    ctx = forkserver()
+    ps = [ctx.Process(target=_create_and_add, args=(str(tmp_path / "new"), w)) for w in range(4)]
+    for p in ps:
+        p.start()
+    wait_all(ps, timeout=120)
+    assert [p.exitcode for p in ps] == [0] * 4
+    s = open_store(tmp_path / "new")
+    assert len(s.list_documents()) == 4 and s.doctor().ok

@@ -66,3 +66,17 @@ def test_empty_and_bad_budget(tok):
     assert chunk_text("  \n ", tok) == []
     with pytest.raises(ValueError):
         chunk_text("x", tok, max_tokens=0)
+
+
+def test_headings_start_a_new_chunk(tok):
+    intro = "The cat sat on the mat. It was a sunny day. The dog was there too. " * 3
+    intro = intro.strip()
+    for heading in ("## Loops", "Loops\n*****"):
+        text = f"{intro}\n\n{heading}\n\nA loop repeats. It ends."
+        budget = n_tokens(tok, text) + 5  # everything would fit in one chunk
+        half_full = n_tokens(tok, intro) >= budget / 2
+        chunks = chunk_text(text, tok, max_tokens=budget)
+        assert half_full and [c.text for c in chunks] == [intro, text[len(intro) :].strip()]
+    # a chunk less than half full keeps the heading
+    small = chunk_text("Short.\n\n## Loops\n\nA loop repeats.", tok, max_tokens=200)
+    assert len(small) == 1

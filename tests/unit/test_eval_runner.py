@@ -263,3 +263,28 @@ def test_cli_eval(dataset, models, tmp_path):
     assert "| native |" in result.output
     bad = CliRunner().invoke(app, ["eval", "--dataset", str(dataset), "--retrieval", "magic"])
     assert bad.exit_code != 0
+
+
+def test_named_translator_variant_runs_translate_with_that_artifact(dataset, models, tmp_path, monkeypatch):
+    import cagkv.translate
+
+    loads = []
+
+    def fake_load(path, source_fp, target_fp):
+        loads.append(path)
+        return PrefillTranslator()
+
+    monkeypatch.setattr(cagkv.translate, "load_translator", fake_load)
+    cfg = config(dataset, models, tmp_path, target=models["gemma"], limit=2,
+                 modes=["none", "native", "linear=/artifacts/linear"])
+    assert cfg.modes == ["none", "native", "linear"] and cfg.variants == {"linear": "/artifacts/linear"}
+    report = run_eval(cfg, progress=False)
+    assert loads == ["/artifacts/linear"]  # loaded once for the whole run
+    rows = {(r["id"], r["mode"]): r for r in report["examples"]}
+    for (qid, mode), row in rows.items():
+        if mode == "linear":
+            assert row["resolved_mode"] == "translate" and row["translator"] == "/artifacts/linear"
+            assert row["answer_logprob"] == pytest.approx(rows[(qid, "native")]["answer_logprob"], abs=2e-3)
+    assert set(report["recovery"]) == {"linear"}
+    with pytest.raises(UsageError, match="NAME=TRANSLATOR_DIR"):
+        config(dataset, models, tmp_path, modes=["none", "=x"])

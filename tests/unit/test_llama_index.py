@@ -204,6 +204,29 @@ def test_retriever_async_equals_sync(store: CacheStore):
             MetadataFilters(filters=[MetadataFilter(key="lang", value="en")], condition=FilterCondition.NOT),
             {"paris"},
         ),
+        (
+            MetadataFilters(
+                filters=[MetadataFilter(key="lang", value="fr"), MetadataFilter(key="year", value=1912)],
+                condition=FilterCondition.NOT,
+            ),
+            {"cats"},
+        ),
+        (
+            MetadataFilters(
+                filters=[
+                    MetadataFilter(key="lang", value="en"),
+                    MetadataFilters(
+                        filters=[
+                            MetadataFilter(key="source", value="cat", operator=FilterOperator.TEXT_MATCH),
+                            MetadataFilter(key="year", value=1900, operator=FilterOperator.LT),
+                        ],
+                        condition=FilterCondition.OR,
+                    ),
+                ]
+            ),
+            {"cats"},
+        ),
+        (MetadataFilters(filters=[MetadataFilter(key="missing", value=None, operator=FilterOperator.IS_EMPTY)]), set(TEXTS)),
         (MetadataFilters(filters=[MetadataFilter(key="lang", value="de")]), set()),
     ],
 )
@@ -394,3 +417,16 @@ def test_retriever_and_llm_compose_in_a_retriever_query_engine(store: CacheStore
     response = engine.query(QUESTIONS[1])
     assert isinstance(response.response, str)
     assert _chunk_ids(response.source_nodes) == [str(h.chunk_id) for h in store.search(QUESTIONS[1], k=2)]
+
+
+def test_missing_llama_index_gives_an_install_hint():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['llama_index'] = None; sys.modules['llama_index.core'] = None\n"
+        "import cagkv.integrations as i\n"
+        "try:\n    i.CagkvRetriever\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'llama-index-core" in out.stdout, out.stderr

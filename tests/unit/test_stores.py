@@ -454,3 +454,38 @@ def test_hash_embedder_deterministic_and_normalised():
     assert a.dtype == np.float32 and a.shape == (3, 64)
     assert np.allclose(np.linalg.norm(a, axis=1), 1.0, atol=1e-5)
     assert np.array_equal(a[0], a[1]) and a[0] @ a[1] > a[0] @ a[2]
+
+
+def test_kv_layout_fixed_by_first_block(store: CacheStore):
+    ingest(store, {"a.txt": DOCS["rome.txt"]})
+    assert store.stats()["kv_layout"] == {
+        "dtype": "float32", "layers": 2, "heads": 1, "head_dim": 8, "positions_free": True,
+    }  # fmt: skip
+    text = "Another layout entirely."
+    other = make_block(text, layers=3)
+    with pytest.raises(StoreError, match="KV layout"):
+        store.add_document("b.txt", text, {}, [(TextChunk(text, 0, len(text)), other)])
+    bf16 = make_block(text)
+    bf16 = KVBlock(bf16.keys.bfloat16(), bf16.values.bfloat16(), bf16.token_ids, bf16.offsets, text, FP)
+    with pytest.raises(StoreError, match="KV layout"):
+        store.add_document("b.txt", text, {}, [(TextChunk(text, 0, len(text)), bf16)])
+    assert "b.txt" not in {d.source for d in store.list_documents()}
+
+
+def test_ids_as_strings_accepted(store: CacheStore):
+    ids = ingest(store)
+    hits = store.search("Colosseum Rome", k=2, document_ids=[str(ids["rome.txt"])])
+    assert hits and all(h.source == "rome.txt" for h in hits)
+    assert store.load_blocks([str(hits[0].chunk_id)])[0].text == hits[0].text
+    with pytest.raises(UsageError):
+        store.search("Rome", k=1, document_ids=["rome.txt"])
+    with pytest.raises(UsageError):
+        store.remove(3.5)
+
+
+def test_long_source_is_fine(store: CacheStore):
+    src = "dir/" * 900 + "file.txt"  # 3.6k characters: beyond a PostgreSQL btree entry
+    text = "A document with a very long path."
+    store.add_document(src, text, {}, chunked(text))
+    assert store.get_document(src).source == src and store.has_document(src, text)
+    assert store.remove(src) == 1

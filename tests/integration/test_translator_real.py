@@ -1,0 +1,112 @@
+"""The trained smollm2-135m -> gemma3-270m translator on the real models.
+
+Skips when either model is not pulled or no translator for the pair is installed
+(`cagkv train --canonical smollm2-135m --target gemma3-270m`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cagkv.align import token_offsets
+from cagkv.errors import TranslatorError
+from cagkv.kv import KVBlock
+from cagkv.models import build_cache, extract_kv, full_cache
+from cagkv.prompt import PromptFormat
+from cagkv.translate import find_translator, load_translator
+
+pytestmark = pytest.mark.integration
+
+DOC = ("Marie Curie was born in Warsaw in 1867. She moved to Paris in 1891 to study physics at "
+       "the Sorbonne, where she met Pierre Curie, whom she married in 1895.")
+OTHER = ("The Great Barrier Reef lies off the coast of Queensland. It is the largest coral reef "
+         "system in the world and can be seen from space.")
+QUESTION, ANSWER = "In which city was Marie Curie born?", " Warsaw"
+
+
+@pytest.fixture(scope="module")
+def pair(real_model):
+    src, tgt = real_model("smollm2-135m"), real_model("gemma3-270m")
+    tr = find_translator(src.fingerprint, tgt.fingerprint)
+    if tr is None:
+        pytest.skip("no smollm2-135m -> gemma3-270m translator installed: run `cagkv train ...`")
+    return src, tgt, tr
+
+
+def _block(loaded, text: str) -> KVBlock:
+    fmt = PromptFormat.for_model(loaded)
+    prefix = fmt.context_prefix_ids()
+    ids, offs = token_offsets(loaded.tokenizer, text)
+    with torch.no_grad():
+        out = loaded.model(input_ids=torch.tensor([prefix + ids.tolist()]), cache=full_cache(), use_cache=True)
+    k, v = extract_kv(out.cache, loaded.spec, torch.arange(len(prefix), len(prefix) + ids.numel()))
+    return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
+
+
+def _answer_ll(tgt, block: KVBlock | None) -> float:
+    """Mean log-prob of ANSWER after prefix + block + separator + question (None: no document)."""
+    fmt = PromptFormat.for_model(tgt)
+    prefix = fmt.context_prefix_ids()
+    pk, pv = _block_prefix(tgt, prefix)
+    cont = (fmt.separator_ids() if block is not None else []) + fmt.question_suffix_ids(QUESTION)
+    ans = fmt.encode(ANSWER)
+    if block is None:
+        k, v, n = pk, pv, len(prefix)
+    else:
+        k, v = torch.cat([pk, block.keys], 2), torch.cat([pv, block.values], 2)
+        n = len(prefix) + block.num_tokens
+    cache = build_cache(tgt.config, tgt.spec, k, v, torch.arange(n))
+    with torch.no_grad():
+        logits = tgt.model(input_ids=torch.tensor([cont + ans]), cache=cache).logits[0]
+    logp = F.log_softmax(logits[len(cont) - 1 : -1].float(), -1)
+    return float(logp.gather(1, torch.tensor(ans)[:, None]).mean())
+
+
+def _block_prefix(tgt, prefix):
+    with torch.no_grad():
+        out = tgt.model(input_ids=torch.tensor([prefix]), cache=full_cache(), use_cache=True)
+    return extract_kv(out.cache, tgt.spec, torch.arange(len(prefix)))
+
+
+def test_card_and_size(pair) -> None:
+    src, tgt, tr = pair
+    card = tr.card
+    assert card["source"]["fingerprint"] == src.fingerprint and card["target"]["fingerprint"] == tgt.fingerprint
+    assert card["size_bytes"] <= 25 * 2**20
+    for key in ("layer_map", "metrics", "stages", "data", "quality"):
+        assert key in card
+    assert isinstance(tr.good_enough(), tuple)
+
+
+def test_translate_shapes_and_exact_layer0(pair) -> None:
+    src, tgt, tr = pair
+    out = tr.translate(_block(src, DOC), tgt)
+    native = _block(tgt, DOC)
+    assert out.keys.shape == native.keys.shape == (18, 1, native.num_tokens, 256)
+    assert torch.equal(out.token_ids, native.token_ids)
+    torch.testing.assert_close(out.keys[0], native.keys[0], rtol=1e-3, atol=1e-3)
+    assert bool(torch.isfinite(out.keys).all() and torch.isfinite(out.values).all())
+
+
+def test_translation_is_document_specific(pair) -> None:
+    """The answer is likelier from the right document's translation than from a wrong one's."""
+    src, tgt, tr = pair
+    right = _answer_ll(tgt, tr.translate(_block(src, DOC), tgt))
+    wrong = _answer_ll(tgt, tr.translate(_block(src, OTHER), tgt))
+    native = _answer_ll(tgt, _block(tgt, DOC))
+    print(f"answer log-prob: native {native:.3f}, translated {right:.3f}, wrong document {wrong:.3f}")
+    assert native > wrong
+    assert right > wrong
+
+
+def test_fingerprint_mismatch_refused(pair, real_model) -> None:
+    src, tgt, tr = pair
+    qwen = real_model("qwen2.5-0.5b")
+    path = tr.path
+    with pytest.raises(TranslatorError, match="target model"):
+        tr.translate(_block(src, DOC), qwen)
+    if path:
+        with pytest.raises(TranslatorError):
+            load_translator(path, src.fingerprint, qwen.fingerprint)
