@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # 3. A query engine answering from the stored caches, translated for another model.
     cag = CAG(store)
     mode = args.mode
-    if mode == "translate" and cag.translator_for(cag.model(cag.canonical), cag.model(args.target)) is None:
+    canonical, target = cag.model(cag.canonical), cag.model(args.target)
+    if mode == "translate" and target.fingerprint == canonical.fingerprint:
+        mode = "canonical"  # the canonical model reads its own caches: nothing to translate
+    elif mode == "translate" and cag.translator_for(canonical, target) is None:
         print(f"no translator {cag.canonical} -> {args.target} installed (train one with "
               "`cagkv train`): using --mode auto")
         mode = "auto"

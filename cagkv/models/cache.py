@@ -56,8 +56,13 @@ def extract_kv(
     positions: torch.Tensor,
     batch_index: int = 0,
     start: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-free (K, V), each `[L, H, T, D]`, of T consecutive cache entries.
+
+    dtype: of the result (default: the cache's). `torch.float32` from a bf16 cache keeps
+    the un-rotated keys exact, so `build_cache(..., dtype=torch.bfloat16)` at the same
+    positions gives back the model's own cache bit for bit.
 
     positions `[T]` int64: the positions the entries were computed at (what RoPE used).
     start: absolute index (0 = the first token the cache saw) of the first entry to take;
@@ -81,8 +86,8 @@ def extract_kv(
         lay = cache.layers[i]
         k = lay.keys[batch_index, :, local : local + T]  # [H, T, D]
         v = lay.values[batch_index, :, local : local + T]  # [H, T, D]
-        ks.append(unrotate(k, positions, spec.rope[i]))
-        vs.append(v)
+        ks.append(unrotate(k, positions, spec.rope[i], out_dtype=dtype))
+        vs.append(v if dtype is None else v.to(dtype))
     return torch.stack(ks), torch.stack(vs)  # [L, H, T, D] each
 
 
@@ -92,11 +97,13 @@ def append_kv(
     K: torch.Tensor,
     V: torch.Tensor,
     positions: torch.Tensor,
+    dtype: torch.dtype | None = None,
 ) -> "DynamicCache":
     """Rotate position-free K `[L, H, T, D]` (or `[L, B, H, T, D]`) to `positions` and append to `cache`.
 
-    Sliding layers trim to their window and add T to their true length, exactly as when
-    the model itself appends. Returns the same cache object.
+    dtype: the model's dtype when it differs from K's (K is rotated in fp32 with the
+    model's cos/sin and rounded once). Sliding layers trim to their window and add T to
+    their true length, exactly as when the model itself appends. Returns the same cache.
     """
     positions = torch.as_tensor(positions, dtype=torch.long, device=K.device).reshape(-1)
     if K.shape != V.shape:
@@ -114,8 +121,9 @@ def append_kv(
     if positions.numel() != K.shape[3]:
         raise ValueError(f"positions cover {positions.numel()} tokens, K has {K.shape[3]}")
     for i in range(spec.num_layers):
-        k = rotate(K[i], positions, spec.rope[i])  # [B, H, T, D]
-        cache.layers[i].update(k.contiguous(), V[i].contiguous())
+        k = rotate(K[i], positions, spec.rope[i], out_dtype=dtype)  # [B, H, T, D]
+        v = V[i] if dtype is None else V[i].to(dtype)
+        cache.layers[i].update(k.contiguous(), v.contiguous())
     return cache
 
 
@@ -132,18 +140,16 @@ def build_cache(
 
     total_length: the true sequence length the cache stands for (default T), which
     sliding layers report; pass it when K holds only the tail of a longer sequence.
-    dtype: cast K and V first (to the model's dtype), so the rotation matches the model's.
+    dtype: the model's dtype, when it differs from K's (see `append_kv`).
     """
     from transformers import DynamicCache
 
-    if dtype is not None:
-        K, V = K.to(dtype), V.to(dtype)
     cache = DynamicCache(config=config)
     if len(cache.layers) != spec.num_layers:  # a config without layer info: lazily grown layers
         cache = DynamicCache()
         while len(cache.layers) < spec.num_layers:
             cache.layers.append(cache.layer_class_to_replicate())
-    append_kv(cache, spec, K, V, positions)
+    append_kv(cache, spec, K, V, positions, dtype=dtype)
     T = K.shape[-2]
     if total_length is not None and total_length != T:
         if total_length < T:

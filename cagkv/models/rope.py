@@ -95,23 +95,42 @@ def cos_sin(rope: RopeLayer, positions: torch.Tensor, device: torch.device | Non
     return emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
 
 
-def rotate(keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer | None) -> torch.Tensor:
-    """Apply RoPE at `positions` to position-free keys `[..., T, D]` (identity when rope is None)."""
+def rotate(
+    keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Apply RoPE at `positions` to position-free keys `[..., T, D]` (identity when rope is None).
+
+    By default computed as the model does, in the keys' dtype. With `out_dtype` (e.g. fp32
+    keys for a bf16 model) it is computed in fp32 with the cos/sin the model uses in
+    `out_dtype` and rounded once at the end: the exact inverse of `unrotate(..., out_dtype=fp32)`.
+    """
     if rope is None:
-        return keys
+        return keys if out_dtype is None else keys.to(out_dtype)
     _check(keys, positions, rope)
     cos, sin = cos_sin(rope, positions, keys.device)
-    cos, sin = cos.to(keys.dtype), sin.to(keys.dtype)  # the models cast cos/sin to the keys' dtype
     rd = rope.rotary_dim
-    k = keys[..., :rd]
-    out = (k * cos) + (_rotate_half(k) * sin)
-    return out if rd == keys.shape[-1] else torch.cat((out, keys[..., rd:]), dim=-1)
+    if out_dtype is None or out_dtype == keys.dtype:
+        cos, sin = cos.to(keys.dtype), sin.to(keys.dtype)  # the models cast cos/sin to the keys' dtype
+        k = keys[..., :rd]
+        out = (k * cos) + (_rotate_half(k) * sin)
+        return out if rd == keys.shape[-1] else torch.cat((out, keys[..., rd:]), dim=-1)
+    cos, sin = cos.to(out_dtype).float(), sin.to(out_dtype).float()
+    k = keys[..., :rd].float()
+    out = ((k * cos) + (_rotate_half(k) * sin)).to(out_dtype)
+    return out if rd == keys.shape[-1] else torch.cat((out, keys[..., rd:].to(out_dtype)), dim=-1)
 
 
-def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer | None) -> torch.Tensor:
-    """Remove RoPE applied at `positions` from keys `[..., T, D]`; computed in fp32, returned in keys' dtype."""
+def unrotate(
+    keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Remove RoPE applied at `positions` from keys `[..., T, D]`.
+
+    Computed in fp32, returned in `out_dtype` (default: the keys' dtype). For bf16 keys,
+    `out_dtype=torch.float32` keeps the exact inverse (no second rounding).
+    """
+    out_dtype = out_dtype or keys.dtype
     if rope is None:
-        return keys
+        return keys.to(out_dtype)
     _check(keys, positions, rope)
     cos, sin = cos_sin(rope, positions, keys.device)
     # Invert the map the model applied: cos/sin rounded to the keys' dtype (bf16 rounding makes
@@ -119,21 +138,28 @@ def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer | None
     cos, sin = cos.to(keys.dtype).float(), sin.to(keys.dtype).float()
     rd = rope.rotary_dim
     k = keys[..., :rd].float()
-    out = ((k * cos) - (_rotate_half(k) * sin)) / (cos * cos + sin * sin)
-    out = out.to(keys.dtype)
-    return out if rd == keys.shape[-1] else torch.cat((out, keys[..., rd:]), dim=-1)
+    out = (((k * cos) - (_rotate_half(k) * sin)) / (cos * cos + sin * sin)).to(out_dtype)
+    return out if rd == keys.shape[-1] else torch.cat((out, keys[..., rd:].to(out_dtype)), dim=-1)
 
 
-def rotate_layers(keys: torch.Tensor, positions: torch.Tensor, ropes: Sequence[RopeLayer | None]) -> torch.Tensor:
+def rotate_layers(
+    keys: torch.Tensor, positions: torch.Tensor, ropes: Sequence[RopeLayer | None], out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """rotate() per layer: keys `[L, ..., T, D]` with one RopeLayer (or None) per layer."""
     assert keys.shape[0] == len(ropes), (tuple(keys.shape), len(ropes))
-    return torch.stack([rotate(keys[i], positions, r) for i, r in enumerate(ropes)])
+    return torch.stack([rotate(keys[i], positions, r, out_dtype) for i, r in enumerate(ropes)])
 
 
-def unrotate_layers(keys: torch.Tensor, positions: torch.Tensor, ropes: Sequence[RopeLayer | None]) -> torch.Tensor:
-    """unrotate() per layer: keys `[L, ..., T, D]` with one RopeLayer (or None) per layer."""
+def unrotate_layers(
+    keys: torch.Tensor, positions: torch.Tensor, ropes: Sequence[RopeLayer | None], out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """unrotate() per layer: keys `[L, ..., T, D]` with one RopeLayer (or None) per layer.
+
+    From a bf16 model's cache, pass the keys as they are (not `.float()`) with
+    `out_dtype=torch.float32`: the inverse then uses the model's own bf16 cos/sin.
+    """
     assert keys.shape[0] == len(ropes), (tuple(keys.shape), len(ropes))
-    return torch.stack([unrotate(keys[i], positions, r) for i, r in enumerate(ropes)])
+    return torch.stack([unrotate(keys[i], positions, r, out_dtype) for i, r in enumerate(ropes)])
 
 
 def _check(keys: torch.Tensor, positions: torch.Tensor, rope: RopeLayer) -> None:

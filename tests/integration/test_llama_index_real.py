@@ -39,13 +39,16 @@ def test_example_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
 
     question = "Which loop does a break statement terminate?"
     store_dir = tmp_path / "store"
-    results = _example().main(
-        ["--store", str(store_dir), "--question", question, "--max-new-tokens", "16"]
-    )
+    saved = Settings._llm, Settings._embed_model
+    try:
+        results = _example().main(
+            ["--store", str(store_dir), "--question", question, "--max-new-tokens", "12"]
+        )
+        # LlamaIndex's defaults were pointed at the local models, not OpenAI
+        assert isinstance(Settings.llm, CagkvLLM) and isinstance(Settings.embed_model, CagkvEmbedding)
+    finally:
+        Settings._llm, Settings._embed_model = saved
     out = capsys.readouterr().out
-
-    # LlamaIndex's defaults were pointed at the local models, not OpenAI
-    assert isinstance(Settings.llm, CagkvLLM) and isinstance(Settings.embed_model, CagkvEmbedding)
     (result,) = results
     assert result["answer"].strip(), out
     assert result["target"] == "gemma3-270m"

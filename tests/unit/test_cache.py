@@ -140,15 +140,24 @@ def test_batched_extract_with_start():
     torch.testing.assert_close(K1, Ks, rtol=0, atol=1e-5)
 
 
-def test_bfloat16_rebuild_close_to_native():
-    lm = build_tiny("llama", dtype=torch.bfloat16)
+def test_bfloat16_rebuild(tiny_rope_lm):
+    lm = build_tiny(tiny_rope_lm.family, dtype=torch.bfloat16)
     model = lm.model
     ids = torch.randint(0, 97, (1, 15))
-    native = _prefill(model, ids[:, :-1])
-    K, V = extract_kv(native.cache, lm.spec, torch.arange(14))  # before the next step grows the cache
+    native = _prefill(model, ids[:, :-1], cache=full_cache())
+    pos = torch.arange(14)
+    K16, V16 = extract_kv(native.cache, lm.spec, pos)  # rounded once more to bf16
+    K32, V32 = extract_kv(native.cache, lm.spec, pos, dtype=torch.float32)  # exact inverse
+    assert K16.dtype == torch.bfloat16 and K32.dtype == torch.float32
+    exact = build_cache(lm.config, lm.spec, K32, V32, pos, dtype=torch.bfloat16)
+    for i in range(lm.spec.num_layers):
+        # the model's own keys, bit for bit except where its bf16 sum cancelled to exactly 0
+        # (then fp32 gives ~1e-8); a one-ulp bf16 error would be >= 1e-3 here
+        held = exact.layers[i].keys.shape[-2]  # sliding layers keep their window only
+        torch.testing.assert_close(exact.layers[i].keys, native.cache.layers[i].keys[..., -held:, :], rtol=0, atol=1e-6)
+        assert torch.equal(exact.layers[i].values, native.cache.layers[i].values[..., -held:, :]), i
     ref = _next_logits(model, ids[:, -1:], native.cache).float()
-    assert K.dtype == torch.bfloat16
-    got = _next_logits(model, ids[:, -1:], build_cache(lm.config, lm.spec, K.float(), V.float(), torch.arange(14), dtype=torch.bfloat16)).float()
+    got = _next_logits(model, ids[:, -1:], build_cache(lm.config, lm.spec, K16, V16, pos)).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 

@@ -317,6 +317,11 @@ def test_query_engine_filters_restrict_sources(cag: CAG, store: CacheStore):
     )
     answer = cag.ask("the cat and the ship", mode="canonical", top_k=3, max_new_tokens=4, document_ids=[paris])
     assert response.response == answer.text
+    # no document passes: the answer has no sources, as cagkv's own with no documents allowed
+    none = MetadataFilters(filters=[MetadataFilter(key="lang", value="de")])
+    empty = CagkvQueryEngine(cag, mode="canonical", max_new_tokens=4, filters=none).query("the cat")
+    assert empty.source_nodes == []
+    assert empty.response == cag.ask("the cat", mode="canonical", max_new_tokens=4, document_ids=[]).text
 
 
 def test_query_engine_as_tool_and_retrieve(cag: CAG):

@@ -21,7 +21,7 @@ import torch
 from storekit import add, chunked, doc_text, forkserver, make_block, open_store, question, wait_all
 
 STABLE = range(1, 5)  # documents nobody touches
-VERSIONS = 8  # versions of doc0 written by the writer
+VERSIONS = 6  # versions of doc0 written by the writer
 CHURN = range(20, 28)  # documents added then removed by the writer
 
 
