@@ -8,7 +8,7 @@ as one file per topic. Both measurements run in this process after the model and
 embedder are loaded (one-time costs excluded), alternating `--repeats` times:
 
 - raw:    forward passes over exactly the sequences ingest prefills (context prefix +
-          chunk), in the same batches, nothing else;
+          chunk + separator), in the same batches, nothing else;
 - ingest: `cagkv.ingest.ingest_sources` into a fresh store: read, chunk, prefill, un-rotate,
           serialise, checksum, write blobs, embed (MiniLM), catalog rows, FAISS index.
 
@@ -56,7 +56,8 @@ def corpus(folder: Path, tokenizer, max_tokens: int) -> list[Path]:
 def raw_prefill(loaded, fmt, chunk_texts: list[str], batch_size: int) -> float:
     """Seconds for forward passes over prefix + chunk, batched like prefill_chunks."""
     prefix = fmt.context_prefix_ids()
-    seqs = sorted((fmt.chunk_ids(t) for t in chunk_texts), key=len, reverse=True)
+    sep = fmt.separator_ids()
+    seqs = sorted((fmt.chunk_ids(t) + sep for t in chunk_texts), key=len, reverse=True)
     pad = loaded.tokenizer.pad_token_id or 0
     t0 = time.perf_counter()
     for i in range(0, len(seqs), batch_size):
@@ -97,7 +98,7 @@ def main() -> None:
     files = corpus(docs, loaded.tokenizer, args.tokens)
     sources = collect_sources([str(f) for f in files])
     chunks = [c.text for s in sources for c in chunk_text(read_document(s), loaded.tokenizer, args.chunk_tokens)]
-    tokens = sum(len(fmt.chunk_ids(c)) for c in chunks)
+    tokens = sum(len(fmt.chunk_ids(c)) + len(fmt.separator_ids()) for c in chunks)
     print(f"corpus: {len(files)} files, {len(chunks)} chunks, {tokens} chunk tokens; dtype {dtype}", flush=True)
 
     raw_rounds: list[float] = []

@@ -301,6 +301,8 @@ class CAG:
 
     def retrieve(self, question: str, top_k: int, document_ids: Sequence[Any] | None) -> list[Any]:
         """Top-k chunks for the question (store hits, best first)."""
+        if document_ids is not None:  # Source.document is a string: accept it back
+            document_ids = [int(d) if isinstance(d, str) and d.isdigit() else d for d in document_ids]
         return list(self.store.search(question, k=top_k, document_ids=document_ids))
 
     def load(self, hits: Sequence[Any]) -> list["KVBlock"]:
@@ -326,7 +328,10 @@ class CAG:
         """Canonical blocks -> the target's blocks (its own tokens, keys position-free)."""
         kwargs = {"replay": replay} if replay else {}
         with _timer(timings, "translate"):
-            out = [translator.translate(b, target, **kwargs) for b in blocks]
+            if hasattr(translator, "translate_many"):  # one batched expert dispatch for all chunks
+                out = list(translator.translate_many(blocks, target, **kwargs))
+            else:
+                out = [translator.translate(b, target, **kwargs) for b in blocks]
         # a translator that replays reports that part of its time separately
         spent = getattr(translator, "last_replay_ms", 0.0) if replay else 0.0
         timings["replay"], timings["translate"] = spent, timings["translate"] - spent
@@ -335,9 +340,12 @@ class CAG:
     def assemble(
         self, target: "LoadedModel", fmt: PromptFormat, blocks: Sequence["KVBlock"]
     ) -> tuple[Any, int, list[int]]:
-        """The prefix cache, then each block rotated at its assembled position, each
-        followed by the separator computed natively (the last one is left pending: it
-        goes with the question suffix, saving a forward).
+        """The prefix cache, then each block rotated at its assembled position.
+
+        Canonical blocks carry their separator's KV (see `cagkv.prefill`): no forward at
+        all. A block without one (a translated block holds the chunk text's tokens only)
+        gets the separator computed natively after it; the last such separator is left
+        pending, to go with the question suffix in one forward.
 
         Returns (cache, tokens in the cache, ids still to feed before the question).
         """
@@ -345,14 +353,16 @@ class CAG:
 
         cache, n = self.prefix_cache(target, fmt)
         sep = fmt.separator_ids()
-        for i, block in enumerate(blocks):
-            if i:  # the previous block's separator, computed over everything before it
-                cache = _forward(target, sep, cache, n).cache
-                n += len(sep)
+        pending: list[int] = []
+        for block in blocks:
+            if pending:  # the previous block's separator, computed over everything before it
+                cache = _forward(target, pending, cache, n).cache
+                n += len(pending)
             positions = torch.arange(n, n + block.num_tokens, dtype=torch.long)  # [T] assembled positions
             append_kv(cache, target.spec, block.keys.to(target.dtype), block.values.to(target.dtype), positions)
             n += block.num_tokens
-        return cache, n, (list(sep) if blocks else [])
+            pending = [] if _has_separator(block, sep) else list(sep)
+        return cache, n, pending
 
     def prefill_native(
         self, target: "LoadedModel", fmt: PromptFormat, chunk_texts: Sequence[str]
@@ -503,6 +513,12 @@ def _forward(loaded: "LoadedModel", ids: Sequence[int], cache: Any, start: int) 
     if cache is not None:
         kwargs["cache"] = cache
     return loaded.model(input_ids=input_ids, **kwargs)
+
+
+def _has_separator(block: "KVBlock", sep: list[int]) -> bool:
+    """Whether a block ends with the prompt separator's tokens (canonical blocks do)."""
+    n = int(block.extra.get("separator_tokens", "0") or 0)
+    return n == len(sep) and n > 0 and block.token_ids[-n:].tolist() == sep
 
 
 def _check_question(question: str) -> str:

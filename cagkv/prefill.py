@@ -1,20 +1,23 @@
 """Canonical prefill: chunk texts -> position-free KV blocks, in batches.
 
 Each chunk is prefilled after the model's own context prefix (BOS / chat header /
-"Context:\\n": the attention sink every chunk sees at answer time too), and only the
-chunk's own positions are kept, with RoPE undone. A block covers exactly the tokens
-`PromptFormat.chunk_ids(text)` puts in a prompt; the separator after each chunk is
-computed natively at answer time.
+"Context:\n": the attention sink every chunk sees at answer time too), followed by the
+prompt's chunk separator ("\n\n"). Only the chunk's and its separator's positions are
+kept, with RoPE undone, so blocks concatenate into exactly the token sequence a native
+prefill of prefix + chunk + separator + chunk + separator ... sees, and assembling them
+needs no forward pass. The separator tokens are the block's last
+`extra["separator_tokens"]` tokens; their character spans are empty at the end of the
+text (`(len(text), len(text))`), since `block.text` is the chunk text alone.
 
 Batches are right-padded: under causal attention the padding at the end never
 influences a real token, so no attention mask is needed and every row keeps positions
 0..P+T-1.
 
 Example:
-    >>> loaded = load("smollm2-135m", dtype=torch.bfloat16)
+    >>> loaded = load("smollm2-135m")
     >>> blocks = prefill_chunks(loaded, ["Paris is the capital of France."], batch_size=8)
-    >>> blocks[0].keys.shape          # [L, H, T, D]
-    torch.Size([30, 3, 9, 64])
+    >>> blocks[0].keys.shape          # [L, H, T, D]: 7 chunk tokens + 1 separator
+    torch.Size([30, 3, 8, 64])
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def prefill_chunks(
 
     Args:
         loaded: the canonical model (its dtype is the blocks' dtype).
-        texts: chunk texts; each block's text is the chunk text itself.
+        texts: chunk texts; each block's text is the chunk text itself, its tokens
+            the chunk's followed by the separator's.
         batch_size: chunks per forward pass (sorted by length to limit padding).
         fmt: the model's prompt format (computed from `loaded` when None).
     Returns:
@@ -52,7 +56,9 @@ def prefill_chunks(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     fmt = fmt or PromptFormat.for_model(loaded)
     prefix = fmt.context_prefix_ids()
-    encoded = [_encode_with_offsets(fmt, t) for t in texts]
+    sep = fmt.separator_ids()
+    n_sep = len(sep)
+    encoded = [_encode_with_offsets(fmt, t, sep) for t in texts]
     order = sorted(range(len(texts)), key=lambda i: -len(encoded[i][0]))  # longest first
     blocks: list[KVBlock | None] = [None] * len(texts)
     for start in range(0, len(order), batch_size):
@@ -69,23 +75,28 @@ def prefill_chunks(
                 text=block_text,
                 model_fingerprint=loaded.fingerprint,
                 positions_free=not loaded.spec.learned_positions,
-                extra={"prefix_tokens": str(len(prefix)), "separator": fmt.chunk_separator},
+                extra={
+                    "prefix_tokens": str(len(prefix)),
+                    "separator": fmt.chunk_separator,
+                    "separator_tokens": str(n_sep),
+                },
             )
     return [b for b in blocks if b is not None]
 
 
-def _encode_with_offsets(fmt: PromptFormat, text: str) -> tuple[list[int], list[tuple[int, int]], str]:
-    """Token ids and character spans of one chunk as placed in the prompt."""
-    block_text = text
-    enc = fmt.tokenizer(block_text, add_special_tokens=False, return_offsets_mapping=True)
+def _encode_with_offsets(
+    fmt: PromptFormat, text: str, sep: list[int]
+) -> tuple[list[int], list[tuple[int, int]], str]:
+    """Token ids and character spans of one chunk as placed in the prompt, separator included."""
+    enc = fmt.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    if ids != fmt.encode(block_text):  # the contract: the same ids the prompt uses
-        raise AssertionError("tokenizer gives different ids with offsets")
-    n = len(block_text)
-    offsets = [(min(max(0, a), n), min(max(a, b), n)) for a, b in enc["offset_mapping"]]
     if not ids:
         raise ValueError(f"chunk tokenizes to nothing: {text[:40]!r}")
-    return ids, offsets, block_text
+    assert ids == fmt.chunk_ids(text), "tokenizer gives different ids with offsets"
+    n = len(text)
+    offsets = [(min(max(0, a), n), min(max(a, b), n)) for a, b in enc["offset_mapping"]]
+    offsets += [(n, n)] * len(sep)  # the separator lies after the text: empty spans at its end
+    return ids + sep, offsets, text
 
 
 @torch.inference_mode()

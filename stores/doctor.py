@@ -45,7 +45,8 @@ def run_doctor(store: CacheStore, repair: bool, verify_blobs: bool) -> DoctorRep
         try:
             check_key(row.blob_key)
         except ValueError:
-            report.problems.append(Problem("bad_row", f"{where}: invalid blob key {row.blob_key!r}", row.source, row.ord))
+            msg = f"{where}: invalid blob key {row.blob_key!r}"
+            report.problems.append(Problem("bad_row", msg, row.source, row.ord))
             bad_docs[row.document_id] = row.source
             continue
         referenced.add(row.blob_key)
@@ -62,7 +63,8 @@ def run_doctor(store: CacheStore, repair: bool, verify_blobs: bool) -> DoctorRep
                 if kind == "corrupt_blob":
                     bad_keys.add(row.blob_key)
         elif not store.blobs.contains(row.blob_key):
-            report.problems.append(Problem("missing_blob", f"{where}: blob {row.blob_key} is missing", row.source, row.ord))
+            msg = f"{where}: blob {row.blob_key} is missing"
+            report.problems.append(Problem("missing_blob", msg, row.source, row.ord))
             bad_docs[row.document_id] = row.source
 
     # 2. blobs no row points to (an ingest that died before its commit), temp files

@@ -50,7 +50,7 @@ class HashEmbedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)  # [N, dim]
         for i, text in enumerate(texts):
             words = re.findall(r"\w+", text.lower())
-            for feat in words + [a + " " + b for a, b in zip(words, words[1:])]:
+            for feat in words + [a + " " + b for a, b in zip(words, words[1:], strict=False)]:
                 h = int.from_bytes(hashlib.blake2b(feat.encode("utf-8", "replace"), digest_size=8).digest(), "little")
                 out[i, h % self.dim] += 1.0 if (h >> 32) & 1 else -1.0
         return normalise(out)
@@ -114,9 +114,8 @@ def _resolve(name: str) -> str:
     try:
         from cagkv.models.zoo import resolve
     except ImportError:  # the zoo is optional for the store
-        from pathlib import Path
-
         import os
+        from pathlib import Path
 
         home = Path(os.environ.get("CAGKV_HOME", "~/.cache/cagkv")).expanduser()
         return str(home / "models" / name)

@@ -46,7 +46,7 @@ from cagkv.errors import CorruptBlobError, StoreError, UsageError
 from cagkv.kv import KVBlock
 
 from .blobs import BlobStore, check_key, open_blob_store, sha256
-from .catalog import Catalog, Chunk, NoCatalogError, Document, Model, Translator, now, redact, source_hash, sqlite_url
+from .catalog import Catalog, Chunk, Document, Model, NoCatalogError, Translator, now, redact, source_hash, sqlite_url
 from .embed import DEFAULT_EMBEDDER, Embedder, make_embedder, normalise
 from .vectors import CorruptIndexError, VectorIndex
 
@@ -188,7 +188,8 @@ class CacheStore:
         self._index: VectorIndex | None = None
         self._lock_depth = 0
         self._lock_cm: Any = None
-        self._thread_lock = threading.RLock()
+        self._thread_lock = threading.RLock()  # writers of this handle, one thread at a time
+        self._index_lock = threading.RLock()  # the in-memory FAISS index
         self._defer_index_save = 0
         self._meta_cache: dict[str, Any] = {}
 
@@ -351,8 +352,8 @@ class CacheStore:
                 yield self
             finally:
                 self._defer_index_save -= 1
-                if self._defer_index_save == 0 and self._index is not None:
-                    self._save_index()
+                if self._defer_index_save == 0:
+                    self._writer_index()  # saves the index when the file lags the catalog
 
     # ================================================================ index
     def _index_path(self) -> Path:
@@ -396,15 +397,16 @@ class CacheStore:
         """Under the write lock: the index of the latest committed state (rebuilt + saved if stale)."""
         with self.catalog.read() as s:
             gen = int(self.catalog.get_meta("generation", session=s))
-            idx = self._index_for(s, gen)
+            with self._index_lock:
+                idx = self._index_for(s, gen)
         if VectorIndex.read_stamp(self._index_path()) != (self.store_id, gen) and not self._defer_index_save:
-            self._save_index()
+            self._save_index(idx)
         return idx
 
-    def _save_index(self) -> None:
-        assert self._index is not None
+    def _save_index(self, idx: VectorIndex) -> None:
         _fault("before_index_save")
-        self._index.save(self._index_path())
+        with self._index_lock:
+            idx.save(self._index_path())
         _fault("after_index_save")
 
     # ================================================================ writing
@@ -443,7 +445,8 @@ class CacheStore:
         chash = content_hash(text)
         with self._write_lock():
             with self.catalog.read() as s:
-                old = s.execute(select(Document.id, Document.content_hash).where(Document.source_hash == source_hash(source))).first()
+                q = select(Document.id, Document.content_hash).where(Document.source_hash == source_hash(source))
+                old = s.execute(q).first()
             if old is not None and old.content_hash == chash:
                 return AddResult(int(old.id), "unchanged")
             canon_fp = self.canonical_fingerprint
@@ -472,7 +475,10 @@ class CacheStore:
                         self.catalog.set_meta(s, "canonical_fingerprint", canon_fp)
                     if self.catalog.get_meta("kv_layout", session=s) is None and layout:
                         self.catalog.set_meta(s, "kv_layout", layout)
-                    doc = Document(source=source, source_hash=source_hash(source), content_hash=chash, meta=metadata, num_chars=len(text), created=now())
+                    doc = Document(
+                        source=source, source_hash=source_hash(source), content_hash=chash,
+                        meta=metadata, num_chars=len(text), created=now(),
+                    )  # fmt: skip
                     s.add(doc)
                     s.flush()
                     chunk_rows = [
@@ -488,11 +494,12 @@ class CacheStore:
                 self._collect_blobs(created, None)
                 raise
             _fault("after_commit")
-            idx.remove(old_ids)
-            idx.add(np.asarray(new_ids, np.int64), vecs)
-            idx.generation = gen
+            with self._index_lock:
+                idx.remove(old_ids)
+                idx.add(np.asarray(new_ids, np.int64), vecs)
+                idx.generation = gen
             if not self._defer_index_save:
-                self._save_index()
+                self._save_index(idx)
             self._collect_blobs(old_keys - {r["blob_key"] for r in rows}, "mid_old_blob_delete")
         status = "replaced" if old is not None else "added"
         return AddResult(doc_id, status, len(rows), sum(r["token_count"] for r in rows), sum(r["nbytes"] for r in rows))
@@ -577,10 +584,11 @@ class CacheStore:
                 ids, keys = self._delete_document_rows(s, document)
                 gen = self.catalog.bump_generation(s)
             _fault("remove_after_commit")
-            idx.remove(ids)
-            idx.generation = gen
+            with self._index_lock:
+                idx.remove(ids)
+                idx.generation = gen
             if not self._defer_index_save:
-                self._save_index()
+                self._save_index(idx)
             _fault("remove_before_blob_delete")
             self._collect_blobs(keys, "mid_old_blob_delete")
         return len(ids)
@@ -603,11 +611,11 @@ class CacheStore:
         doc_ids = None if document_ids is None else _as_ids(document_ids)
         with self.catalog.read() as s:
             gen = int(self.catalog.get_meta("generation", session=s))
-            idx = self._index_for(s, gen)
             allowed = None
-            if document_ids is not None:
+            if doc_ids is not None:
                 allowed = s.scalars(select(Chunk.id).where(Chunk.document_id.in_(doc_ids))).all()
-            found = idx.search(q, k, allowed)
+            with self._index_lock:  # FAISS objects are not safe to search while another thread edits them
+                found = self._index_for(s, gen).search(q, k, allowed)
             if not found:
                 return []
             rows = {
@@ -706,7 +714,9 @@ class CacheStore:
             q = q.where(cond)
         with self.catalog.read() as s:
             return [
-                DocumentInfo(d.id, d.source, d.content_hash, dict(d.meta or {}), int(n), int(t), int(b), d.created.isoformat())
+                DocumentInfo(
+                    d.id, d.source, d.content_hash, dict(d.meta or {}), int(n), int(t), int(b), d.created.isoformat()
+                )
                 for d, n, t, b in s.execute(q)
             ]
 
@@ -723,7 +733,11 @@ class CacheStore:
         with self.catalog.read() as s:
             docs = s.scalar(select(func.count(Document.id))) or 0
             n, tokens, nbytes = s.execute(
-                select(func.count(Chunk.id), func.coalesce(func.sum(Chunk.token_count), 0), func.coalesce(func.sum(Chunk.nbytes), 0))
+                select(
+                    func.count(Chunk.id),
+                    func.coalesce(func.sum(Chunk.token_count), 0),
+                    func.coalesce(func.sum(Chunk.nbytes), 0),
+                )
             ).one()
             keys = ("canonical", "canonical_fingerprint", "embedder", "embedding_dim", "generation",
                     "schema_version", "store_id", "kv_layout", "chunking")  # fmt: skip

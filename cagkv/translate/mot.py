@@ -65,6 +65,7 @@ class MoTConfig:
     boundary_layer: int | None = None  # optional head: residual stream entering this layer
     tgt_hidden: int = 0
     dispatch: str = "auto"
+    skip_rank: int = 0  # >0: a low-rank linear path per layer (initialised from ridge), MoT adds to it
 
     def __post_init__(self) -> None:
         if self.mixing not in MIXING:
@@ -199,6 +200,17 @@ class MoTTranslator(nn.Module):
         self.head_w = nn.Parameter(torch.randn(n_tr, d, kv2) / math.sqrt(d))
         self.head_b = nn.Parameter(torch.zeros(n_tr, kv2))
         self.boundary_head = nn.Linear(d, cfg.tgt_hidden) if cfg.boundary_layer is not None else None
+        if cfg.skip_rank > 0:
+            # per translated layer: [its mapped source layers' features | normalised embedding] -> K|V
+            skip_cols = torch.stack([
+                torch.cat([torch.arange(pos[s] * feat, (pos[s] + 1) * feat) for s in cfg.layer_map[l]])
+                for l in cfg.translated
+            ])  # [Lt, n_map * feat]; every row has the same width (nearest is fixed)
+            self.register_buffer("skip_cols", skip_cols, persistent=False)
+            f_in = skip_cols.shape[1] + cfg.tgt_embed_dim
+            self.skip_a = nn.Parameter(torch.zeros(n_tr, f_in, cfg.skip_rank))
+            self.skip_b = nn.Parameter(torch.zeros(n_tr, cfg.skip_rank, kv2))
+            self.skip_bias = nn.Parameter(torch.zeros(n_tr, kv2))
 
     # ------------------------------------------------------------------ forward
     def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None) -> MoTOutput:
@@ -242,11 +254,48 @@ class MoTTranslator(nn.Module):
             w, bias = self.head_w[idx], self.head_b[idx]  # [n, d, 2kv], [n, 2kv]
             ys.append(torch.einsum("btd,ndo->bnto", hn, w) + bias[None, :, None, :])
         y = torch.cat(ys, dim=1)  # [B, Lt, T, 2kv]
+        if cfg.skip_rank > 0:
+            y = y + self.skip(x, emb)
         boundary = None
         if self.boundary_head is not None:
             g = self._group_of(max(0, int(cfg.boundary_layer) - 1))
             boundary = self.boundary_head(h[g])
         return MoTOutput(y=y, aux_loss=aux, boundary=boundary, expert_load=load.detach())
+
+    def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """Inputs of the linear path: `[B, T, Lt, F]` (normalised source features | embedding)."""
+        b, t, _ = x.shape
+        n_tr = self.skip_cols.shape[0]
+        xs = x.index_select(-1, self.skip_cols.reshape(-1)).reshape(b, t, n_tr, -1)  # [B, T, Lt, n_map*feat]
+        e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)  # [B, T, E]
+        return torch.cat([xs, e[:, :, None, :].expand(b, t, n_tr, e.shape[-1])], -1)
+
+    def skip(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The low-rank linear path `[B, Lt, T, 2kv]`."""
+        z = torch.einsum("btlf,lfr->btlr", self.skip_design(x, emb), self.skip_a)
+        y = torch.einsum("btlr,lro->blto", z, self.skip_b)
+        return y + self.skip_bias[None, :, None, :]
+
+    @torch.no_grad()
+    def init_skip_from_ridge(self, ridge_w: list[torch.Tensor]) -> float:
+        """Rank-r SVD of each layer's ridge map `[F+1, 2kv]` (bias last); zero the MoT heads
+        so the translator starts as the (truncated) ridge solution. Returns the share of the
+        ridge maps' energy kept by the truncation."""
+        r = self.cfg.skip_rank
+        kept, total = 0.0, 0.0
+        for i, w in enumerate(ridge_w):
+            u, sv, vh = torch.linalg.svd(w[:-1].double(), full_matrices=False)
+            k = min(r, sv.numel())
+            self.skip_a[i].zero_()
+            self.skip_b[i].zero_()
+            self.skip_a[i, :, :k].copy_((u[:, :k] * sv[:k]).float())
+            self.skip_b[i, :k].copy_(vh[:k].float())
+            self.skip_bias[i].copy_(w[-1].float())
+            kept += float((sv[:r] ** 2).sum())
+            total += float((sv**2).sum())
+        self.head_w.zero_()
+        self.head_b.zero_()
+        return kept / max(total, 1e-12)
 
     def _group_of(self, layer: int) -> int:
         for g, layers in enumerate(self.cfg.groups):

@@ -101,6 +101,19 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
     else:
         trainer.fit_stats()
         saved = {}
+        if cfg.init == "ridge":
+            from cagkv.translate.linear import fit_ridge
+
+            t_r = time.time()
+            lin = fit_ridge(trainer, lam=cfg.ridge_lambda)
+            kept = mot.init_skip_from_ridge(lin.ridge_w)
+            _say(f"ridge init: rank {cfg.skip_rank} keeps {kept:.3f} of the ridge maps' energy")
+            metrics = trainer.evaluate()
+            _say(f"after ridge init: {json.dumps(metrics)}")
+            state["metrics"]["ridge_init"] = metrics
+            state["stages"].append({"name": "ridge_init", "lambda": cfg.ridge_lambda, "rank": cfg.skip_rank,
+                                    "energy_kept": round(kept, 4), "wall_s": round(time.time() - t_r, 1)})
+            torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
     steps = stage_steps(cfg)
     for stage in STAGES:
         if stage in state["done"] or steps[stage] <= 0:

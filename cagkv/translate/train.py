@@ -83,6 +83,9 @@ class TrainConfig:
     threads: int = 1
     max_minutes: float = 0.0  # >0: stop training early once this much wall time is spent
     stage_minutes: dict[str, float] = field(default_factory=dict)  # per-stage wall budgets
+    skip_rank: int = 0  # >0: low-rank linear path per layer
+    init: str = "random"  # "ridge": start from the closed-form ridge solution (needs skip_rank)
+    ridge_lambda: float = 30.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -101,6 +104,7 @@ def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) 
         layer_map=layer_map(s.num_layers, t.num_layers, cfg.layer_nearest), exact_layers=[0],
         tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
         experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, tgt_hidden=int(target.config.hidden_size),
+        skip_rank=cfg.skip_rank,
     )
 
 

@@ -37,9 +37,8 @@ def test_minilm_embeddings_normalised_and_semantic(embedder):
 
 
 def test_store_retrieves_by_meaning(embedder, tmp_path: Path):
-    from storekit import chunked
-
     from cagkv.stores import CacheStore
+    from storekit import chunked
 
     s = CacheStore.open(tmp_path / "s", canonical="tiny", fingerprint="fp-reliability-01", embedder=embedder)
     docs = {

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cagkv.stores import CacheStore, HashEmbedder
 
 from cagkv.kv import KVBlock
-from cagkv.stores import CacheStore, HashEmbedder
 
 FP = "fp-reliability-01"
 DIM = 256
@@ -88,7 +88,9 @@ def answer(store: CacheStore, q: str) -> tuple[str, int, str, str] | None:
     return hit.source, hit.ord, hit.text, hashlib.sha256(block.to_bytes()).hexdigest()
 
 
-def run_ops(path: str, db_url: str | None, ops: list[tuple[str, ...]], ready: Any = None, fault: str | None = None) -> None:
+def run_ops(
+    path: str, db_url: str | None, ops: list[tuple[str, ...]], ready: Any = None, fault: str | None = None
+) -> None:
     """Apply ("add", source, text) / ("remove", source) in order; optionally with a fault point set."""
     torch.set_num_threads(1)
     saved = os.environ.get("CAGKV_FAULT")

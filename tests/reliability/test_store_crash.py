@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
-from storekit import add, answer, doc_text, forkserver, open_store, question, run_ops
-
 from cagkv.stores.catalog import Chunk
 from cagkv.stores.store import FAULT_POINTS, FaultInjected
+from sqlalchemy import select
+from storekit import add, answer, doc_text, forkserver, open_store, question, run_ops
 
 BASE = [("add", f"doc{i}.txt", doc_text(i)) for i in range(3)]
 OPS = [
@@ -133,4 +132,5 @@ def test_sigkill_after_random_delay(seed: int, tmp_path: Path, reference: dict):
     p.kill()  # SIGKILL
     p.join(10)
     kinds = _check_after_crash(path, reference)
-    print(f"\n[crash] SIGKILL seed {seed} ({'mid-run' if alive else 'after the end'}): doctor found {kinds or 'nothing'}")
+    when = "mid-run" if alive else "after the end"
+    print(f"\n[crash] SIGKILL seed {seed} ({when}): doctor found {kinds or 'nothing'}")

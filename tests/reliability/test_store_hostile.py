@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cagkv.stores import CacheStore
 from storekit import DIM, TextChunk, add, chunked, doc_text, make_block, open_store, question
 
 from cagkv.errors import CagkvError, StoreError, UsageError
-from cagkv.stores import CacheStore
 
 
 def _snapshot(s: CacheStore) -> tuple:

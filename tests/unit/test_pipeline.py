@@ -12,6 +12,7 @@ import torch
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import collect_sources, ingest, ingest_sources, ingest_text
+from cagkv.kv import KVBlock
 from cagkv.pipeline import CAG, TIMING_KEYS
 from cagkv.prefill import prefill_chunks
 from cagkv.prompt import PromptFormat
@@ -131,23 +132,32 @@ def test_auto_uses_native_for_another_target_and_says_so(tmp_path, models):
 
 
 class PrefillTranslator:
-    """A perfect 'translator': the target's own prefill of the block text (after its prefix)."""
+    """A perfect 'translator': the target's own prefill of the block text (after its prefix).
 
-    def __init__(self, ok=True):
-        self.ok, self.calls = ok, 0
+    with_separator=False returns the chunk text's tokens only, like the trained translator,
+    so the engine computes the separator itself.
+    """
+
+    def __init__(self, ok=True, with_separator=True):
+        self.ok, self.calls, self.with_separator = ok, 0, with_separator
 
     def good_enough(self):
         return self.ok, "test card"
 
     def translate(self, block, target):
         self.calls += 1
-        return prefill_chunks(target, [block.text])[0]
+        out = prefill_chunks(target, [block.text])[0]
+        if self.with_separator:
+            return out
+        t = out.num_tokens - int(out.extra["separator_tokens"])
+        return KVBlock(out.keys[:, :, :t], out.values[:, :, :t], out.token_ids[:t], out.offsets[:t], out.text,
+                       out.model_fingerprint)  # fmt: skip
 
 
-@pytest.mark.parametrize("target", ["qwen2", "gemma"])
-def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models, target):
+@pytest.mark.parametrize("target,with_separator", [("qwen2", True), ("qwen2", False), ("gemma", False)])
+def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models, target, with_separator):
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
-    translator = PrefillTranslator()
+    translator = PrefillTranslator(with_separator=with_separator)
     cag = CAG(base.store, find_translator=lambda src, tgt: translator)
     q = "Why did ships pass safely?"
     # one chunk: the translated cache is then exactly the target's own prefill
@@ -160,6 +170,11 @@ def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models
     cag_low = CAG(base.store, find_translator=lambda src, tgt: PrefillTranslator(ok=False))
     low = cag_low.ask(q, target=models[target], max_new_tokens=2)
     assert low.mode == "native" and "threshold" in low.mode_reason
+    # several chunks: separators computed between translated blocks; same layout as native
+    three = cag.ask(q, target=models[target], max_new_tokens=2, top_k=3)
+    native3 = cag.ask(q, target=models[target], mode="native", max_new_tokens=2, top_k=3)
+    assert three.mode == "translate"
+    assert (three.tokens["context"], three.tokens["prompt"]) == (native3.tokens["context"], native3.tokens["prompt"])
 
 
 def test_stream_yields_the_answer(tmp_path, models):
@@ -222,3 +237,47 @@ def test_ingest_text_with_presplit_chunks_and_stdin(tmp_path, models):
     report = ingest_sources(cag.store, cag.model(models["llama"]), sources, progress=False)
     assert report.documents == 1 and report.sources == ["<stdin>"]
     assert {d.source for d in cag.store.list_documents()} >= {"nodes://x", "<stdin>"}
+
+
+def test_prefill_blocks_batching_and_separator(models):
+    from cagkv.models import load
+
+    loaded = load(models["gemma"])
+    fmt = PromptFormat.for_model(loaded)
+    texts = ["Short one.", DOC_A, "A middle sized chunk of text here."]
+    one_by_one = [prefill_chunks(loaded, [t], batch_size=1)[0] for t in texts]
+    batched = prefill_chunks(loaded, texts, batch_size=3)  # right-padded batch, longest first
+    sep = fmt.separator_ids()
+    for text, a, b in zip(texts, one_by_one, batched):
+        assert b.text == text and b.token_ids.tolist() == fmt.chunk_ids(text) + sep
+        assert b.offsets[-1].tolist() == [len(text), len(text)] and b.extra["separator_tokens"] == str(len(sep))
+        assert b.model_fingerprint == loaded.fingerprint and b.positions_free
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+
+
+def test_ingest_streams_blocks_one_batch_at_a_time(tmp_path, models, monkeypatch):
+    """Memory stays bounded: a batch's blocks are released before the next batch is made."""
+    import gc
+    import weakref
+
+    import cagkv.prefill
+
+    real = cagkv.prefill.prefill_chunks
+    made: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+
+    def tracking(loaded, texts, batch_size=8, fmt=None):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in made))
+        blocks = real(loaded, texts, batch_size=batch_size, fmt=fmt)
+        made.extend(weakref.ref(b) for b in blocks)
+        return blocks
+
+    monkeypatch.setattr(cagkv.prefill, "prefill_chunks", tracking)
+    text = " ".join(f"Sentence number {i} is here." for i in range(60))
+    (tmp_path / "long.txt").write_text(text)
+    report = ingest([str(tmp_path / "long.txt")], tmp_path / "store", canonical=models["llama"], chunk_tokens=16,
+                    batch_size=2, dtype="float32", embedder="hash-64", progress=False)  # fmt: skip
+    assert report.chunks >= 12 and len(alive_at_call) >= 6
+    assert max(alive_at_call) <= 2  # at most the previous batch, never the document's blocks

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from cagkv.errors import CorruptBlobError, StoreError, UsageError
-from cagkv.kv import KVBlock
 from cagkv.stores import CacheStore, ChunksChangedError, HashEmbedder, VectorIndex, open_blob_store
 from cagkv.stores.blobs import LocalBlobStore, check_key
 from cagkv.stores.store import blob_key
+
+from cagkv.errors import CorruptBlobError, StoreError, UsageError
+from cagkv.kv import KVBlock
 
 FP = "fp-canonical-0001"
 
@@ -74,7 +74,8 @@ def open_store(path: Path, **kw) -> CacheStore:
 
 
 def ingest(store: CacheStore, docs: dict[str, str] = DOCS, per: int = 2) -> dict[str, int]:
-    return {src: store.add_document(src, text, {"lang": "en"}, chunked(text, per)).document_id for src, text in docs.items()}
+    return {src: store.add_document(src, text, {"lang": "en"}, chunked(text, per)).document_id
+            for src, text in docs.items()}  # fmt: skip
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_add_search_load_round_trip(store: CacheStore):
     assert hits and hits[0].source == "rome.txt" and "Tiber" in hits[0].text
     assert hits[0].score >= hits[-1].score
     blocks = store.load_blocks([h.chunk_id for h in hits])
-    for h, b in zip(hits, blocks):
+    for h, b in zip(hits, blocks, strict=True):
         ref = make_block(h.text)
         assert torch.equal(b.keys, ref.keys) and torch.equal(b.values, ref.values)
         assert b.text == h.text and b.model_fingerprint == FP
@@ -489,3 +490,35 @@ def test_long_source_is_fine(store: CacheStore):
     store.add_document(src, text, {}, chunked(text))
     assert store.get_document(src).source == src and store.has_document(src, text)
     assert store.remove(src) == 1
+
+
+def test_threads_share_one_handle(store: CacheStore):
+    """4 reader threads and a writer thread on one CacheStore: no error, consistent blocks."""
+    import threading
+
+    ingest(store)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            n = 0
+            while not done.is_set() or n < 3:
+                for hit, block in store.retrieve("Paris Eiffel Seine Rome Tokyo", k=3):
+                    assert block.text == hit.text and torch.equal(block.keys, make_block(hit.text).keys)
+                n += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    for t in readers:
+        t.start()
+    for v in range(6):
+        text = f"Paris version {v} of the text. The Seine is long."
+        store.add_document("paris.txt", text, {}, chunked(text, per=1))
+        store.remove("tokyo.txt") if v % 2 == 0 else ingest(store, {"tokyo.txt": DOCS["tokyo.txt"]})
+    done.set()
+    for t in readers:
+        t.join(60)
+    assert not errors, errors[0]
+    assert store.doctor().ok

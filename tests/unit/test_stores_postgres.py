@@ -17,18 +17,21 @@ from storekit import pg_admin_url, pg_database  # noqa: E402
 from test_stores import (  # noqa: E402,F401  (collected again here, on PostgreSQL)
     open_store,
     test_add_search_load_round_trip,
+    test_bad_chunks_refused_and_store_unchanged,
     test_block_of_another_model_refused,
     test_doctor_checksum_edited_row,
     test_doctor_finds_and_repairs,
     test_doctor_stale_index_rebuilt,
     test_idempotent_ingest_and_replace,
+    test_ids_as_strings_accepted,
+    test_kv_layout_fixed_by_first_block,
+    test_long_source_is_fine,
     test_load_blocks_of_removed_chunk_raises_changed,
     test_path_traversal_blob_key_in_row,
     test_remove_removes_rows_blobs_vectors,
     test_search_by_embedding_and_retrieve,
     test_search_restricted_to_documents,
     test_shared_blob_kept_until_last_reference,
-    test_bad_chunks_refused_and_store_unchanged,
 )
 
 pytestmark = pytest.mark.postgres
