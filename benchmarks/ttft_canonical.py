@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -73,7 +74,7 @@ def main() -> None:
 
     rows = []
     for length in args.lengths:
-        k = max(1, round(length / mean_chunk))
+        k = max(1, math.ceil(length / mean_chunk))  # at least L context tokens where possible
         while k > 1 and k * mean_chunk + 96 > limit:  # stay inside the model's trained positions
             k -= 1
         runs: dict[str, list] = {"canonical": [], "native": []}

@@ -229,13 +229,14 @@ class CAG:
             raise UsageError(f"replay must be >= 0, got {replay}")
         target_model = self.model(target or self.canonical)
         mode, reason, translator = self._resolve_mode(mode, target_model)
+        if replay and mode != "translate":
+            raise UsageError(f"replay needs mode translate (mode {mode} ran)")
         fmt = self.prompt_format(target_model)
+        self._prefix_entry(target_model, fmt)  # computed once per model, before timing
         if mode != "none":
             self._warm_embedder()
         started = time.perf_counter()
         timings = {k: 0.0 for k in TIMING_KEYS}
-        if replay and mode != "translate":
-            raise UsageError(f"replay needs mode translate (mode {mode} ran)")
 
         hits: list[Any] = []
         if mode != "none":
@@ -381,12 +382,15 @@ class CAG:
 
     def prefix_cache(self, target: "LoadedModel", fmt: PromptFormat) -> tuple[Any, int]:
         """A fresh copy of the target's cache of its context prefix (computed once per model)."""
+        cache, n = self._prefix_entry(target, fmt)
+        return copy.deepcopy(cache), n
+
+    def _prefix_entry(self, target: "LoadedModel", fmt: PromptFormat) -> tuple[Any, int]:
         key = (target.fingerprint, str(target.dtype))
         if key not in self._prefixes:
             ids = fmt.context_prefix_ids()
             self._prefixes[key] = (_forward(target, ids, None, 0).cache, len(ids))
-        cache, n = self._prefixes[key]
-        return copy.deepcopy(cache), n
+        return self._prefixes[key]
 
     # ------------------------------------------------------------------ mode choice
     def _resolve_mode(self, mode: str, target: "LoadedModel") -> tuple[str, str, Any]:
@@ -475,7 +479,11 @@ def generate_text(loaded: "LoadedModel", prompt_ids: Sequence[int], max_new_toke
 def _greedy(
     target: "LoadedModel", fmt: PromptFormat, out: Any, prepared: Prepared, max_new_tokens: int
 ) -> Iterator[tuple[str, list[int], str]]:
-    """Yields (new text piece, generated ids, text so far) per decoded token."""
+    """Yields (new text piece, generated ids, text so far) per decoded token.
+
+    Leading whitespace is not shown (base models often start with a space or newline);
+    base-layout models stop at the end of their first answer line.
+    """
     tokenizer = target.tokenizer
     cache, position = out.cache, prepared.next_position + len(prepared.prompt_ids)
     logits = out.logits[0, -1]
@@ -486,11 +494,10 @@ def _greedy(
         if token in fmt.stop_ids:
             break
         generated.append(token)
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        stop = False
-        if fmt.stop_on_newline and "\n" in text.lstrip():
-            lead = len(text) - len(text.lstrip())
-            text, stop = text[: lead + text.lstrip().index("\n")], True
+        text = tokenizer.decode(generated, skip_special_tokens=True).lstrip()
+        stop = fmt.stop_on_newline and "\n" in text
+        if stop:
+            text = text[: text.index("\n")]
         if text.endswith("\ufffd") and not stop:  # half a UTF-8 character: wait for the rest
             yield "", generated, emitted
         else:

@@ -16,11 +16,13 @@ def train_cmd(
     target: str = typer.Option(..., "--target", help="Target model: zoo name or folder."),
     out: str = typer.Option(None, "--out", help="Artifact folder. Default: $CAGKV_HOME/translators/SRC__TGT."),
     corpus: list[str] = typer.Option(None, "--corpus", help="Corpus name (pydoc, lee, shakespeare) or .txt path; repeatable."),
-    samples: int = typer.Option(110, "--samples", help="Training chunks to draw (10% of documents held out)."),
+    samples: int = typer.Option(72, "--samples", help="Training chunks to draw (10% of documents held out)."),
     experts: int = typer.Option(4, "--experts", help="Experts per layer group (1 = single-translator ablation)."),
     top_k: int = typer.Option(2, "--top-k", help="Experts per token."),
-    steps: str = typer.Option("400,80,400", "--steps", help="Steps of regression,attention,e2e (0 skips a stage)."),
-    minutes: str = typer.Option("7,4,25", "--minutes", help="Wall budget per stage in minutes (0 = none)."),
+    steps: str = typer.Option("0,0,400", "--steps", help="Steps of regression,attention,e2e (0 skips a stage)."),
+    minutes: str = typer.Option("0,0,24", "--minutes", help="Wall budget per stage in minutes (0 = none)."),
+    init: str = typer.Option("ridge", "--init", help="random, or ridge: start from the closed-form ridge map."),
+    skip_rank: int = typer.Option(128, "--skip-rank", help="Rank of the per-layer linear path (0: none)."),
     threads: int = typer.Option(1, "--threads", help="torch CPU threads."),
     seed: int = typer.Option(0, "--seed"),
     config: str = typer.Option(None, "--config", help="JSON file of further TrainConfig fields."),
@@ -45,6 +47,7 @@ def train_cmd(
         out=str(out or default_out), samples=samples, experts=experts, top_k=top_k, seed=seed, threads=threads,
         steps_regression=s_reg, steps_attention=s_att, steps_e2e=s_e2e,
         stage_minutes={"regression": m_reg, "attention": m_att, "e2e": m_e2e},
+        init=init, skip_rank=skip_rank,
     )
     if corpus:
         fields["corpora"] = list(corpus)
@@ -53,6 +56,8 @@ def train_cmd(
         cfg = TrainConfig.from_dict(fields)
         if not 1 <= top_k <= experts:
             raise ValueError(f"--top-k must be between 1 and --experts={experts}, got {top_k}")
+        if init not in ("random", "ridge") or (init == "ridge" and skip_rank < 1):
+            raise ValueError(f"--init must be random or ridge (ridge needs --skip-rank >= 1), got {init!r}")
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     path = run_training(canonical, target, cfg)

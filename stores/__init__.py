@@ -5,7 +5,7 @@
 - `vectors.py`: the FAISS index of chunk embeddings, ids = chunk ids.
 - `embed.py`: embedders (MiniLM by default; a hashing one for tests).
 - `store.py`: `CacheStore`, the facade that keeps the three consistent.
-- `doctor.py`: consistency checks and repair.
+- `doctor.py`: consistency checks and repair; `checks.py`: input validation.
 """
 
 from .blobs import BlobStore, FsspecBlobStore, LocalBlobStore, open_blob_store

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import threading
 import time
@@ -47,14 +46,12 @@ from cagkv.kv import KVBlock
 
 from .blobs import BlobStore, check_key, open_blob_store, sha256
 from .catalog import Catalog, Chunk, Document, Model, NoCatalogError, Translator, now, redact, source_hash, sqlite_url
+from .checks import MAX_SOURCE_CHARS, MAX_TEXT_CHARS, as_ids, check_json, check_layout, check_text, doc_cond
 from .embed import DEFAULT_EMBEDDER, Embedder, make_embedder, normalise
 from .vectors import CorruptIndexError, VectorIndex
 
 INDEX_FILE = "vectors.safetensors"
 LOCK_FILE = "write.lock"
-MAX_SOURCE_CHARS = 4096
-MAX_METADATA_BYTES = 256 * 1024
-MAX_TEXT_CHARS = 200_000_000
 FAULT_POINTS = (
     "before_blobs",
     "mid_blobs",
@@ -320,7 +317,7 @@ class CacheStore:
         """Record a store-wide setting (e.g. `chunking`); JSON-serialisable values only."""
         if key in _MANAGED_META:
             raise UsageError(f"meta key {key!r} is managed by the store")
-        _check_json(value, "meta value")
+        check_json(value, "meta value")
         with self._write_lock(), self.catalog.write() as s:
             self.catalog.set_meta(s, key, value)
 
@@ -436,12 +433,12 @@ class CacheStore:
             embeddings: `[N, dim]` chunk embeddings; computed with the store's embedder
                 from the chunk texts when None.
         """
-        _check_text(source, "source", MAX_SOURCE_CHARS)
+        check_text(source, "source", MAX_SOURCE_CHARS)
         if not source.strip():
             raise UsageError("document source must not be empty")
-        _check_text(text, "document text", MAX_TEXT_CHARS)
+        check_text(text, "document text", MAX_TEXT_CHARS)
         metadata = dict(metadata or {})
-        _check_json(metadata, "document metadata")
+        check_json(metadata, "document metadata")
         chash = content_hash(text)
         with self._write_lock():
             with self.catalog.read() as s:
@@ -457,7 +454,7 @@ class CacheStore:
             try:
                 _fault("before_blobs")
                 for i, (chunk, block) in enumerate(chunks):
-                    layout = _check_layout(i, block, layout)
+                    layout = check_layout(i, block, layout)
                     row, new_blob = self._put_chunk(i, chunk, block, text, canon_fp)
                     rows.append(row)
                     if new_blob:
@@ -549,7 +546,7 @@ class CacheStore:
 
     def _delete_document_rows(self, s: Session, source: str | int) -> tuple[list[int], set[str]]:
         """Delete a document and its chunks inside `s`; return (chunk ids, blob keys)."""
-        cond = _doc_cond(source)
+        cond = doc_cond(source)
         doc_id = s.scalar(select(Document.id).where(cond))
         if doc_id is None:
             return [], set()
@@ -576,7 +573,7 @@ class CacheStore:
         with self._write_lock():
             idx = self._writer_index()
             with self.catalog.write() as s:
-                exists = s.scalar(select(Document.id).where(_doc_cond(document)))
+                exists = s.scalar(select(Document.id).where(doc_cond(document)))
                 if exists is None:
                     if missing_ok:
                         return 0
@@ -608,7 +605,7 @@ class CacheStore:
                 raise UsageError(f"question embedding must be [{self.embedding_dim}] finite values")
         if k <= 0:
             return []
-        doc_ids = None if document_ids is None else _as_ids(document_ids)
+        doc_ids = None if document_ids is None else as_ids(document_ids)
         with self.catalog.read() as s:
             gen = int(self.catalog.get_meta("generation", session=s))
             allowed = None
@@ -634,7 +631,7 @@ class CacheStore:
 
     def load_blocks(self, chunk_ids: Sequence[int]) -> list[KVBlock]:
         """The KV blocks of `chunk_ids`, in that order; every blob checked against its checksum."""
-        ids = _as_ids(chunk_ids)
+        ids = as_ids(chunk_ids)
         with self.catalog.read() as s:
             rows = {
                 r.id: r
@@ -689,7 +686,7 @@ class CacheStore:
         raise AssertionError("unreachable")
 
     def get_document(self, document: int | str) -> DocumentInfo:
-        cond = _doc_cond(document)
+        cond = doc_cond(document)
         docs = self._documents(cond)
         if not docs:
             raise UsageError(f"no document {document!r} in store {self.path}")
@@ -755,7 +752,7 @@ class CacheStore:
 
     # ================================================================ translators (next issue)
     def register_model(self, name: str, fingerprint: str, spec: dict[str, Any] | None = None) -> None:
-        _check_json(spec or {}, "model spec")
+        check_json(spec or {}, "model spec")
         with self._write_lock(), self.catalog.write() as s:
             row = s.get(Model, name)
             if row is None:
@@ -764,7 +761,7 @@ class CacheStore:
                 row.fingerprint, row.spec = fingerprint, spec or {}
 
     def add_translator(self, source_fp: str, target_fp: str, path: str, card: dict[str, Any]) -> int:
-        _check_json(card, "translator card")
+        check_json(card, "translator card")
         with self._write_lock(), self.catalog.write() as s:
             row = s.scalar(
                 select(Translator).where(
@@ -815,16 +812,6 @@ class CacheStore:
         self.close()
 
 
-def _doc_cond(document: int | str) -> Any:
-    """The WHERE clause selecting a document by id (int) or source (str)."""
-    if isinstance(document, bool) or not isinstance(document, (int, str)):
-        raise UsageError(f"a document is named by its id (int) or source (str), got {document!r}")
-    if isinstance(document, int):
-        return Document.id == document
-    _check_text(document, "document source", MAX_SOURCE_CHARS)
-    return Document.source_hash == source_hash(document)
-
-
 @contextmanager
 def _file_lock(path: Path, timeout: float) -> Iterator[None]:
     """fcntl exclusive lock on `path`, polled until `timeout` (then StoreError: busy)."""
@@ -845,52 +832,3 @@ def _file_lock(path: Path, timeout: float) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
-
-
-def _check_layout(i: int, block: KVBlock, layout: dict[str, Any] | None) -> dict[str, Any]:
-    """Every block of a store has one dtype and [L, H, *, D] layout (recorded by the first)."""
-    if not isinstance(block, KVBlock):
-        raise UsageError(f"chunk {i}: expected a KVBlock, got {type(block).__name__}")
-    mine = {
-        "dtype": str(block.dtype).removeprefix("torch."),
-        "layers": int(block.keys.shape[0]),
-        "heads": int(block.keys.shape[1]),
-        "head_dim": int(block.keys.shape[3]),
-        "positions_free": bool(block.positions_free),
-    }
-    if layout is not None and mine != layout:
-        raise StoreError(f"chunk {i}: KV layout {mine} differs from the store's {layout}")
-    return mine
-
-
-def _as_ids(values: Iterable[Any]) -> list[int]:
-    """Ids given as ints or digit strings (LlamaIndex passes strings) -> ints."""
-    try:
-        return [int(v) for v in values]
-    except (TypeError, ValueError):
-        raise UsageError(f"ids must be integers, got {list(values)[:5]!r}") from None
-
-
-def _check_text(s: Any, what: str, limit: int) -> None:
-    if not isinstance(s, str):
-        raise UsageError(f"{what} must be a string, got {type(s).__name__}")
-    if len(s) > limit:
-        raise UsageError(f"{what} is too long ({len(s)} characters, limit {limit})")
-    if "\x00" in s:
-        raise UsageError(f"{what} contains a NUL character")
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError(f"{what} is not valid Unicode (lone surrogates)") from None
-
-
-def _check_json(value: Any, what: str) -> None:
-    try:
-        raw = json.dumps(value, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{what} must be JSON-serialisable: {e}") from None
-    except RecursionError:
-        raise UsageError(f"{what} is nested too deeply") from None
-    _check_text(raw, what, MAX_METADATA_BYTES)
-    if len(raw.encode("utf-8")) > MAX_METADATA_BYTES:
-        raise UsageError(f"{what} is too large ({len(raw.encode())} bytes, limit {MAX_METADATA_BYTES})")

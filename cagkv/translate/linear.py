@@ -35,6 +35,7 @@ class LinearTranslator(MoTTranslator):
         for l in cfg.translated:
             self.layer_cols.append(torch.cat([torch.arange(pos[s] * feat, (pos[s] + 1) * feat) for s in cfg.layer_map[l]]))
         self.ridge_w: list[torch.Tensor] = []
+        self.grams: list[torch.Tensor] = []  # X^T X per layer (bias column last), for reduced rank
 
     def design(self, src: torch.Tensor, emb: torch.Tensor, i: int) -> torch.Tensor:
         """Design matrix `[B, T, F_i + E + 1]` of translated layer index i."""
@@ -76,4 +77,5 @@ def fit_ridge(trainer: Trainer, lam: float = 10.0, n: int | None = None, batch: 
         reg = lam * torch.eye(a.shape[0], dtype=a.dtype)
         reg[-1, -1] = 0.0  # no penalty on the bias
         lin.ridge_w.append(torch.linalg.solve(a + reg, b).float())
+        lin.grams.append(a)
     return lin

@@ -277,22 +277,40 @@ class MoTTranslator(nn.Module):
         return y + self.skip_bias[None, :, None, :]
 
     @torch.no_grad()
-    def init_skip_from_ridge(self, ridge_w: list[torch.Tensor]) -> float:
-        """Rank-r SVD of each layer's ridge map `[F+1, 2kv]` (bias last); zero the MoT heads
-        so the translator starts as the (truncated) ridge solution. Returns the share of the
-        ridge maps' energy kept by the truncation."""
+    def init_skip_from_ridge(self, ridge_w: list[torch.Tensor], grams: list[torch.Tensor] | None = None) -> float:
+        """Start the linear path as a rank-r version of each layer's ridge map `[F+1, 2kv]`
+        (bias last) and zero the MoT heads, so the translator starts as (reduced-rank) ridge.
+
+        With `grams` (each layer's design Gram matrix X^T X, bias column last) the rank-r
+        map is reduced-rank regression: W V V^T with V the top eigenvectors of the fitted
+        values' second moment W^T X^T X W, the best rank-r map in the data's metric.
+        Without, a plain truncated SVD of W. Returns the share of the fitted values'
+        (or of W's) energy kept.
+        """
         r = self.cfg.skip_rank
         kept, total = 0.0, 0.0
         for i, w in enumerate(ridge_w):
-            u, sv, vh = torch.linalg.svd(w[:-1].double(), full_matrices=False)
-            k = min(r, sv.numel())
+            w64 = w.double()
+            if grams is not None:
+                m = w64.T @ grams[i].double() @ w64  # [2kv, 2kv] second moment of fitted values
+                evals, evecs = torch.linalg.eigh(m)
+                order = evals.flip(0).clamp(min=0)
+                k = min(r, evals.numel())
+                v = evecs.flip(1)[:, :k]  # [2kv, k] top directions of the output
+                a, b, bias = w64[:-1] @ v, v.T, w64[-1] @ v @ v.T
+                kept += float(order[:k].sum())
+                total += float(order.sum())
+            else:
+                u, sv, vh = torch.linalg.svd(w64[:-1], full_matrices=False)
+                k = min(r, sv.numel())
+                a, b, bias = u[:, :k] * sv[:k], vh[:k], w64[-1]
+                kept += float((sv[:k] ** 2).sum())
+                total += float((sv**2).sum())
             self.skip_a[i].zero_()
             self.skip_b[i].zero_()
-            self.skip_a[i, :, :k].copy_((u[:, :k] * sv[:k]).float())
-            self.skip_b[i, :k].copy_(vh[:k].float())
-            self.skip_bias[i].copy_(w[-1].float())
-            kept += float((sv[:r] ** 2).sum())
-            total += float((sv**2).sum())
+            self.skip_a[i, :, :k].copy_(a.float())
+            self.skip_b[i, :k].copy_(b.float())
+            self.skip_bias[i].copy_(bias.float())
         self.head_w.zero_()
         self.head_b.zero_()
         return kept / max(total, 1e-12)

@@ -106,8 +106,8 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
 
             t_r = time.time()
             lin = fit_ridge(trainer, lam=cfg.ridge_lambda)
-            kept = mot.init_skip_from_ridge(lin.ridge_w)
-            _say(f"ridge init: rank {cfg.skip_rank} keeps {kept:.3f} of the ridge maps' energy")
+            kept = mot.init_skip_from_ridge(lin.ridge_w, lin.grams)
+            _say(f"ridge init: rank {cfg.skip_rank} keeps {kept:.3f} of the fitted values' energy")
             metrics = trainer.evaluate()
             _say(f"after ridge init: {json.dumps(metrics)}")
             state["metrics"]["ridge_init"] = metrics

@@ -35,7 +35,7 @@ def _block(loaded, text: str = TEXT) -> KVBlock:
 
 def _translator(src, tgt, **kw) -> Translator:
     torch.manual_seed(0)
-    opts = dict(d_model=16, d_expert=24, experts=3, top_k=2, group_size=2)
+    opts = dict(d_model=16, d_expert=24, experts=3, top_k=2, group_size=2, skip_rank=0)
     opts.update(kw)
     cfg = make_mot_config(src, tgt, TrainConfig(**opts))
     card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}

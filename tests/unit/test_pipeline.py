@@ -275,9 +275,9 @@ def test_ingest_streams_blocks_one_batch_at_a_time(tmp_path, models, monkeypatch
         return blocks
 
     monkeypatch.setattr(cagkv.prefill, "prefill_chunks", tracking)
-    text = " ".join(f"Sentence number {i} is here." for i in range(60))
+    text = " ".join(f"Sentence number {i} is here." for i in range(40))
     (tmp_path / "long.txt").write_text(text)
     report = ingest([str(tmp_path / "long.txt")], tmp_path / "store", canonical=models["llama"], chunk_tokens=16,
                     batch_size=2, dtype="float32", embedder="hash-64", progress=False)  # fmt: skip
-    assert report.chunks >= 12 and len(alive_at_call) >= 6
+    assert report.chunks >= 10 and len(alive_at_call) >= 5
     assert max(alive_at_call) <= 2  # at most the previous batch, never the document's blocks

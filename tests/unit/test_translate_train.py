@@ -35,7 +35,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> PairSet:
 def _trainer(pairs: PairSet, **kw) -> Trainer:
     torch.manual_seed(0)
     opts = dict(d_model=24, d_expert=32, experts=3, top_k=2, group_size=2, batch=3, e2e_accum=1, kl_positions=5,
-                log_every=1000, seed=0)
+                log_every=1000, seed=0, skip_rank=0, init="random")
     opts.update(kw)
     tr = Trainer(tiny_model("llama", 4), tiny_model("gemma3", 6), pairs, pairs, TrainConfig(**opts))
     tr.fit_stats()
@@ -133,3 +133,16 @@ def test_samples_have_answers_from_their_chunk() -> None:
                 assert "___" in c.question and c.answer in s.text
     train, held = split_by_document(samples, 0.25)
     assert not {s.source for s in train} & {s.source for s in held}
+
+
+def test_ridge_init_makes_translator_equal_ridge(pairs: PairSet) -> None:
+    tr = _trainer(pairs, skip_rank=512)  # full rank: the skip path reproduces ridge exactly
+    lin = fit_ridge(tr, lam=1.0)
+    kept = tr.mot.init_skip_from_ridge(lin.ridge_w)
+    assert kept == pytest.approx(1.0, abs=1e-6)
+    bt = tr.batch([pairs[0], pairs[1]])
+    emb = tr.ts.embed(bt["ids"]).float()
+    with torch.no_grad():
+        torch.testing.assert_close(tr.mot(bt["src"], emb, bt["mask"]).y, lin(bt["src"], emb).y, rtol=1e-4, atol=1e-4)
+    low = _trainer(pairs, skip_rank=4)
+    assert low.mot.init_skip_from_ridge(lin.ridge_w) < 1.0  # truncation keeps part of the energy
