@@ -35,7 +35,7 @@ OUT = ROOT / "docs" / "benchmarks"
 
 def corpus(folder: Path, tokenizer, max_tokens: int) -> list[Path]:
     """Python reference topics as files, about `max_tokens` tokens in all."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     files, total = [], 0
     for name in sorted(topics.topics):
@@ -83,11 +83,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from cagkv.stores import CacheStore
+
     from cagkv.chunking import chunk_text
     from cagkv.ingest import collect_sources, ingest_sources, parse_dtype, read_document
     from cagkv.models import load
     from cagkv.prompt import PromptFormat
-    from cagkv.stores import CacheStore
 
     dtype = parse_dtype(args.dtype)
     loaded = load(args.canonical, dtype=dtype)
@@ -140,7 +141,7 @@ def main() -> None:
         "bytes": ingest_rounds[-1]["bytes"],
         "rounds": {"raw_s": [round(x, 2) for x in raw_rounds], "ingest": ingest_rounds},
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads": torch.get_num_threads(), "load_avg": os.getloadavg()},  # fmt: skip
+                    "threads": torch.get_num_threads(), "load_avg": os.getloadavg()},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,10 +151,10 @@ def main() -> None:
         "",
         f"Command: `{result['command']}`",
         "",
-        f"{len(files)} documents (Python reference topics), {len(chunks)} chunks of <= {args.chunk_tokens} "
+        (f"{len(files)} documents (Python reference topics), {len(chunks)} chunks of <= {args.chunk_tokens} "
         f"tokens, {tokens} tokens, {args.canonical} in {result['dtype']}, batch {args.batch_size}, "
         f"embedder {args.embedder}; median of {args.repeats} alternating rounds; "
-        f"{result['machine']['cores']} cores, load average {result['machine']['load_avg'][0]:.1f} at the end.",
+        f"{result['machine']['cores']} cores, load average {result['machine']['load_avg'][0]:.1f} at the end."),
         "",
         "| | seconds | tokens/s |",
         "|---|---|---|",

@@ -79,9 +79,9 @@ def main() -> None:
             k -= 1
         runs: dict[str, list] = {"canonical": [], "native": []}
         for _ in range(args.repeats):
-            for mode in runs:
+            for mode, answers in runs.items():
                 a = cag.ask(QUESTION, mode=mode, top_k=k, max_new_tokens=1)
-                runs[mode].append(a)
+                answers.append(a)
                 print(f"L={length} k={k} {mode}: context {a.tokens['context']} tokens, first token "
                       f"{a.timings_ms['first_token']:.0f} ms", flush=True)  # fmt: skip
         context = {m: {a.tokens["context"] for a in r} for m, r in runs.items()}
@@ -107,7 +107,7 @@ def main() -> None:
         "repeats": args.repeats,
         "rows": rows,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads": torch.get_num_threads(), "load_avg": os.getloadavg()},  # fmt: skip
+                    "threads": torch.get_num_threads(), "load_avg": os.getloadavg()},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,13 +117,13 @@ def main() -> None:
         "",
         f"Command: `{result['command']}`",
         "",
-        f"{args.model} in {args.dtype}, chunks of <= {args.chunk_tokens} tokens, same retrieved chunks in both "
+        (f"{args.model} in {args.dtype}, chunks of <= {args.chunk_tokens} tokens, same retrieved chunks in both "
         f"modes, median of {args.repeats}; {result['machine']['cores']} cores, load average "
         f"{result['machine']['load_avg'][0]:.1f} at the end. Times in ms; canonical's `prefill` is the "
-        "question suffix only (the prefix cache is computed once per model).",
+        "question suffix only (the prefix cache is computed once per model)."),
         "",
-        "| context tokens | chunks | canonical: retrieve / load / prefill | canonical TTFT | native: retrieve / prefill "
-        "| native TTFT | speedup |",
+        ("| context tokens | chunks | canonical: retrieve / load / prefill | canonical TTFT | native: retrieve / prefill "
+        "| native TTFT | speedup |"),
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

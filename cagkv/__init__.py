@@ -39,7 +39,26 @@ _EXPORTS = {
     "TranslatorError": "cagkv.errors",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "CAG",
+    "Answer",
+    "AnswerStream",
+    "CacheStore",
+    "CagkvError",
+    "IngestReport",
+    "KVBlock",
+    "PromptFormat",
+    "Source",
+    "StoreError",
+    "TranslatorError",
+    "UsageError",
+    "__version__",
+    "chunk_text",
+    "ingest_files",
+    "ingest_text",
+    "load",
+    "prefill_chunks",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -89,18 +89,33 @@ def chunk_text(text: str, tokenizer: Any, max_tokens: int = 256) -> list[TextChu
             flush()
             chunks.extend(_hard_split(text, start, end, tokenizer, max_tokens))
             continue
-        if current and estimate + count > max_tokens:
+        if current and _should_cut(text, current, start, end, count, estimate, tokenizer, max_tokens):
             flush()
-        elif current and estimate >= _HEADING_CUT_FROM * max_tokens and _HEADING.match(text, start):
-            flush()
-        elif current and estimate + count > _EXACT_CHECK_FROM * max_tokens:
-            # Separately tokenized sentences may merge differently when joined: check exactly.
-            if _count_tokens(tokenizer, [text[current[0][0] : end]])[0] > max_tokens:
-                flush()
         current.append((start, end))
         estimate += count
     flush()
     return chunks
+
+
+def _should_cut(
+    text: str,
+    current: list[tuple[int, int]],
+    start: int,
+    end: int,
+    count: int,
+    estimate: int,
+    tokenizer: Any,
+    max_tokens: int,
+) -> bool:
+    """Whether the sentence [start, end) of `count` tokens starts a new chunk."""
+    if estimate + count > max_tokens:  # it does not fit
+        return True
+    if estimate >= _HEADING_CUT_FROM * max_tokens and _HEADING.match(text, start):  # a heading
+        return True
+    # Near the budget, separately tokenized sentences may merge differently when joined.
+    if estimate + count > _EXACT_CHECK_FROM * max_tokens:
+        return _count_tokens(tokenizer, [text[current[0][0] : end]])[0] > max_tokens
+    return False
 
 
 def _count_tokens(tokenizer: Any, texts: list[str]) -> list[int]:

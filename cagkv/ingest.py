@@ -22,9 +22,10 @@ import html.parser
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cagkv.errors import UsageError
 
@@ -100,7 +101,7 @@ def ingest(
     canonical: str | None = None,
     chunk_tokens: int = 256,
     batch_size: int = 8,
-    dtype: "torch.dtype | str" = "auto",
+    dtype: torch.dtype | str = "auto",
     max_bytes: int | None = None,
     db_url: str | None = None,
     embedder: str | None = None,
@@ -132,11 +133,14 @@ def ingest(
         raise UsageError(f"--chunk-tokens must be at least 8, got {chunk_tokens}")
     if batch_size < 1:
         raise UsageError(f"batch size must be at least 1, got {batch_size}")
+    torch_dtype = parse_dtype(dtype)
     sources = collect_sources(paths, max_bytes=max_bytes, stdin=stdin)
     store_path = Path(store or default_store_path()).expanduser()
+    if canonical and Path(canonical).expanduser().is_dir():  # a folder: recorded by absolute path
+        canonical = str(Path(canonical).expanduser().resolve())
     canonical = canonical or _existing_canonical(store_path, db_url) or DEFAULT_CANONICAL
     _check_store_canonical(store_path, db_url, canonical)
-    loaded = load(canonical, dtype=parse_dtype(dtype))
+    loaded = load(canonical, dtype=torch_dtype)
     from cagkv.stores import CacheStore
 
     cache_store = CacheStore.open(
@@ -150,7 +154,7 @@ def ingest(
 
 def ingest_sources(
     store: Any,
-    loaded: "LoadedModel",
+    loaded: LoadedModel,
     sources: Sequence[Source],
     chunk_tokens: int = 256,
     batch_size: int = 8,
@@ -201,10 +205,10 @@ def ingest_text(
     *,
     metadata: dict[str, Any] | None = None,
     chunks: Sequence[str] | None = None,
-    loaded: "LoadedModel | None" = None,
+    loaded: LoadedModel | None = None,
     chunk_tokens: int = 256,
     batch_size: int = 8,
-    dtype: "torch.dtype | str" = "auto",
+    dtype: torch.dtype | str = "auto",
     report: IngestReport | None = None,
     on_progress: Any = None,
 ) -> Any:
@@ -279,7 +283,7 @@ def default_store_path() -> Path:
     return home() / "store"
 
 
-def parse_dtype(dtype: "torch.dtype | str") -> "torch.dtype":
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """"auto" / "bfloat16" / "bf16" / "float32" / "fp32" / "float16" / "fp16" -> torch dtype."""
     import torch
 
@@ -437,8 +441,8 @@ def read_document(source: Source) -> str:
 class _HTMLText(html.parser.HTMLParser):
     """Visible text of an HTML page; block elements become line breaks."""
 
-    _SKIP = {"script", "style", "head", "title", "noscript", "template", "svg"}
-    _BLOCK = {
+    _SKIP: ClassVar[set[str]] = {"script", "style", "head", "title", "noscript", "template", "svg"}
+    _BLOCK: ClassVar[set[str]] = {
         "p", "div", "br", "li", "ul", "ol", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "table",
         "section", "article", "pre", "blockquote", "dt", "dd", "dl", "header", "footer", "hr",
     }  # fmt: skip

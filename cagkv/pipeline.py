@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -102,7 +103,7 @@ class Prepared:
     suffix) are not in it yet. `generate` feeds them and decodes.
     """
 
-    target: "LoadedModel"
+    target: LoadedModel
     mode: str
     cache: Any
     next_position: int
@@ -162,7 +163,7 @@ class CAG:
         self._prefixes: dict[tuple[str, str], tuple[Any, int]] = {}
 
     @classmethod
-    def open(cls, path: str | None = None, db_url: str | None = None, **kwargs: Any) -> "CAG":
+    def open(cls, path: str | None = None, db_url: str | None = None, **kwargs: Any) -> CAG:
         """A CAG over the existing store at `path` (default `$CAGKV_HOME/store`)."""
         from cagkv.stores import CacheStore
 
@@ -282,7 +283,7 @@ class CAG:
                 return done.value
 
     # ------------------------------------------------------------------ phases
-    def model(self, name: str) -> "LoadedModel":
+    def model(self, name: str) -> LoadedModel:
         """A loaded model (cached per process by `cagkv.models.load`)."""
         from cagkv.models import load
 
@@ -294,7 +295,7 @@ class CAG:
             self.store.embedder.embed(["warm up"])
             self._embedder_warm = True
 
-    def prompt_format(self, loaded: "LoadedModel") -> PromptFormat:
+    def prompt_format(self, loaded: LoadedModel) -> PromptFormat:
         key = loaded.fingerprint
         if key not in self._formats:
             self._formats[key] = PromptFormat.for_model(loaded)
@@ -306,7 +307,7 @@ class CAG:
             document_ids = [int(d) if isinstance(d, str) and d.isdigit() else d for d in document_ids]
         return list(self.store.search(question, k=top_k, document_ids=document_ids))
 
-    def load(self, hits: Sequence[Any]) -> list["KVBlock"]:
+    def load(self, hits: Sequence[Any]) -> list[KVBlock]:
         """The stored canonical KV blocks of the hits, in hit order."""
         blocks = list(self.store.load_blocks([h.chunk_id for h in hits]))
         canonical_fp = self.model(self.canonical).fingerprint
@@ -320,12 +321,12 @@ class CAG:
 
     def translate(
         self,
-        blocks: list["KVBlock"],
+        blocks: list[KVBlock],
         translator: Any,
-        target: "LoadedModel",
+        target: LoadedModel,
         replay: int,
         timings: dict[str, float],
-    ) -> list["KVBlock"]:
+    ) -> list[KVBlock]:
         """Canonical blocks -> the target's blocks (its own tokens, keys position-free)."""
         kwargs = {"replay": replay} if replay else {}
         with _timer(timings, "translate"):
@@ -339,7 +340,7 @@ class CAG:
         return out
 
     def assemble(
-        self, target: "LoadedModel", fmt: PromptFormat, blocks: Sequence["KVBlock"]
+        self, target: LoadedModel, fmt: PromptFormat, blocks: Sequence[KVBlock]
     ) -> tuple[Any, int, list[int]]:
         """The prefix cache, then each block rotated at its assembled position.
 
@@ -355,18 +356,30 @@ class CAG:
         cache, n = self.prefix_cache(target, fmt)
         sep = fmt.separator_ids()
         pending: list[int] = []
+        run: list[KVBlock] = []  # consecutive blocks appended in one go (one copy per layer)
+
+        def append_run() -> int:
+            if not run:
+                return 0
+            keys = torch.cat([b.keys.to(target.dtype) for b in run], dim=2)  # [L, H, sum T, D]
+            values = torch.cat([b.values.to(target.dtype) for b in run], dim=2)
+            positions = torch.arange(n, n + keys.shape[2], dtype=torch.long)  # assembled positions
+            append_kv(cache, target.spec, keys, values, positions)
+            run.clear()
+            return int(keys.shape[2])
+
         for block in blocks:
             if pending:  # the previous block's separator, computed over everything before it
+                n += append_run()
                 cache = _forward(target, pending, cache, n).cache
                 n += len(pending)
-            positions = torch.arange(n, n + block.num_tokens, dtype=torch.long)  # [T] assembled positions
-            append_kv(cache, target.spec, block.keys.to(target.dtype), block.values.to(target.dtype), positions)
-            n += block.num_tokens
+            run.append(block)
             pending = [] if _has_separator(block, sep) else list(sep)
+        n += append_run()
         return cache, n, pending
 
     def prefill_native(
-        self, target: "LoadedModel", fmt: PromptFormat, chunk_texts: Sequence[str]
+        self, target: LoadedModel, fmt: PromptFormat, chunk_texts: Sequence[str]
     ) -> tuple[Any, int, list[int]]:
         """The target prefills the chunk texts itself after its prefix (the `native` baseline).
 
@@ -380,12 +393,12 @@ class CAG:
             cache = _forward(target, ids, cache, n).cache
         return cache, n + len(ids), []
 
-    def prefix_cache(self, target: "LoadedModel", fmt: PromptFormat) -> tuple[Any, int]:
+    def prefix_cache(self, target: LoadedModel, fmt: PromptFormat) -> tuple[Any, int]:
         """A fresh copy of the target's cache of its context prefix (computed once per model)."""
         cache, n = self._prefix_entry(target, fmt)
         return copy.deepcopy(cache), n
 
-    def _prefix_entry(self, target: "LoadedModel", fmt: PromptFormat) -> tuple[Any, int]:
+    def _prefix_entry(self, target: LoadedModel, fmt: PromptFormat) -> tuple[Any, int]:
         key = (target.fingerprint, str(target.dtype))
         if key not in self._prefixes:
             ids = fmt.context_prefix_ids()
@@ -393,7 +406,7 @@ class CAG:
         return self._prefixes[key]
 
     # ------------------------------------------------------------------ mode choice
-    def _resolve_mode(self, mode: str, target: "LoadedModel") -> tuple[str, str, Any]:
+    def _resolve_mode(self, mode: str, target: LoadedModel) -> tuple[str, str, Any]:
         canonical = self.model(self.canonical)
         same = target.fingerprint == canonical.fingerprint
         if mode == "canonical" and not same:
@@ -423,7 +436,7 @@ class CAG:
             return "canonical", "auto: target is the canonical model", None
         return "native", f"auto: no translator {canonical.name} -> {target.name}; native prefill", None
 
-    def translator_for(self, canonical: "LoadedModel", target: "LoadedModel") -> Any:
+    def translator_for(self, canonical: LoadedModel, target: LoadedModel) -> Any:
         """The translator artifact for (canonical, target), or None."""
         finder = self._find_translator
         if finder is None:
@@ -465,7 +478,7 @@ class CAG:
 
 
 # ---------------------------------------------------------------------- helpers
-def generate_text(loaded: "LoadedModel", prompt_ids: Sequence[int], max_new_tokens: int = 64) -> Iterator[str]:
+def generate_text(loaded: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int = 64) -> Iterator[str]:
     """Greedy-decode from raw prompt ids with the model's stop tokens; yields text pieces."""
     fmt = PromptFormat.for_model(loaded)
     fmt = PromptFormat(fmt.tokenizer, True, "", "", "", (), fmt.stop_ids)  # no newline stop
@@ -477,7 +490,7 @@ def generate_text(loaded: "LoadedModel", prompt_ids: Sequence[int], max_new_toke
 
 
 def _greedy(
-    target: "LoadedModel", fmt: PromptFormat, out: Any, prepared: Prepared, max_new_tokens: int
+    target: LoadedModel, fmt: PromptFormat, out: Any, prepared: Prepared, max_new_tokens: int
 ) -> Iterator[tuple[str, list[int], str]]:
     """Yields (new text piece, generated ids, text so far) per decoded token.
 
@@ -510,7 +523,7 @@ def _greedy(
 
 
 @torch.inference_mode()
-def _forward(loaded: "LoadedModel", ids: Sequence[int], cache: Any, start: int) -> Any:
+def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int) -> Any:
     """One forward of `ids` at positions start.. into `cache` (a new one when None)."""
     if not ids:
         raise UsageError("empty prompt")
@@ -522,7 +535,7 @@ def _forward(loaded: "LoadedModel", ids: Sequence[int], cache: Any, start: int) 
     return loaded.model(input_ids=input_ids, **kwargs)
 
 
-def _has_separator(block: "KVBlock", sep: list[int]) -> bool:
+def _has_separator(block: KVBlock, sep: list[int]) -> bool:
     """Whether a block ends with the prompt separator's tokens (canonical blocks do)."""
     n = int(block.extra.get("separator_tokens", "0") or 0)
     return n == len(sep) and n > 0 and block.token_ids[-n:].tolist() == sep
@@ -575,8 +588,8 @@ class _timer:
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.timings[self.key] += (time.perf_counter() - self.t0) * 1000
 
 
-__all__ = ["CAG", "Answer", "AnswerStream", "Prepared", "Source", "MODES", "generate_text"]
+__all__ = ["CAG", "MODES", "Answer", "AnswerStream", "Prepared", "Source", "generate_text"]

@@ -22,7 +22,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def prefill_chunks(
-    loaded: "LoadedModel",
+    loaded: LoadedModel,
     texts: Sequence[str],
     batch_size: int = 8,
     fmt: PromptFormat | None = None,
@@ -101,7 +102,7 @@ def _encode_with_offsets(
 
 @torch.inference_mode()
 def _prefill_batch(
-    loaded: "LoadedModel", prefix: list[int], chunks: list[list[int]]
+    loaded: LoadedModel, prefix: list[int], chunks: list[list[int]]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Forward prefix + chunk for each row; returns per-row keys/values `[L, H, Tmax, D]`."""
     p, tmax = len(prefix), max(len(c) for c in chunks)
@@ -123,7 +124,7 @@ def _prefill_batch(
     return list(keys), list(values)
 
 
-def _pad_id(loaded: "LoadedModel") -> int:
+def _pad_id(loaded: LoadedModel) -> int:
     tok = loaded.tokenizer
     for candidate in (tok.pad_token_id, tok.eos_token_id, 0):
         if candidate is not None:

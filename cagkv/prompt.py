@@ -20,8 +20,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cagkv.models import LoadedModel
@@ -64,7 +65,7 @@ class PromptFormat:
 
     # --- construction ------------------------------------------------------------------
     @classmethod
-    def for_model(cls, loaded: "LoadedModel", chat: bool | None = None) -> "PromptFormat":
+    def for_model(cls, loaded: LoadedModel, chat: bool | None = None) -> PromptFormat:
         """The format of a loaded model (chat template if it has one, else base layout)."""
         gen_cfg = getattr(loaded.model, "generation_config", None)
         extra = _as_id_list(getattr(gen_cfg, "eos_token_id", None))
@@ -73,7 +74,7 @@ class PromptFormat:
     @classmethod
     def for_tokenizer(
         cls, tokenizer: Any, chat: bool | None = None, extra_stop_ids: Sequence[int] = ()
-    ) -> "PromptFormat":
+    ) -> PromptFormat:
         """The format for a tokenizer; `chat=None` picks the chat layout iff a template exists."""
         has_template = bool(getattr(tokenizer, "chat_template", None))
         use_chat = has_template if chat is None else chat

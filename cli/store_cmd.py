@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -32,7 +33,7 @@ def _errors(fn: Callable[..., None]) -> Callable[..., None]:
             fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit, KeyboardInterrupt):
             raise
-        except Exception as err:  # noqa: BLE001 - the CLI boundary turns every error into one line
+        except Exception as err:
             import click
 
             if isinstance(err, click.ClickException):
@@ -52,10 +53,11 @@ def _errors(fn: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
-def _open_store(store: Optional[str], db: Optional[str]) -> Any:
+def _open_store(store: str | None, db: str | None) -> Any:
     """An existing store (never creates one)."""
-    from cagkv.ingest import default_store_path
     from cagkv.stores import CacheStore
+
+    from cagkv.ingest import default_store_path
 
     return CacheStore.open(store or default_store_path(), db, create=False)
 
@@ -68,8 +70,8 @@ def _print_json(obj: Any) -> None:
 @_errors
 def ingest_cmd(
     paths: list[str] = typer.Argument(..., help="Files (.txt, .md, .html), folders (recursive), or - for stdin."),
-    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
-    canonical: Optional[str] = typer.Option(
+    store: str | None = typer.Option(None, "--store", help=STORE_HELP),
+    canonical: str | None = typer.Option(
         None, "--canonical", help="Canonical model: zoo name or folder (default: the store's, else smollm2-135m)."
     ),
     chunk_tokens: int = typer.Option(256, "--chunk-tokens", min=8, help="Canonical tokens per chunk."),
@@ -77,9 +79,9 @@ def ingest_cmd(
     dtype: str = typer.Option(
         "auto", "--dtype", help="Prefill dtype: auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32."
     ),
-    max_bytes: Optional[int] = typer.Option(None, "--max-bytes", min=1, help="Per-file size limit (default 20 MiB)."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
-    embedder: Optional[str] = typer.Option(
+    max_bytes: int | None = typer.Option(None, "--max-bytes", min=1, help="Per-file size limit (default 20 MiB)."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    embedder: str | None = typer.Option(
         None, "--embedder", envvar="CAGKV_EMBEDDER", help="Embedder of a new store: minilm-l6 (default) or hash-<dim>."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
@@ -105,15 +107,15 @@ def ingest_cmd(
 @_errors
 def ask_cmd(
     question: str = typer.Argument(..., help="The question."),
-    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
-    target: Optional[str] = typer.Option(None, "--target", help="Answering model (default: the canonical model)."),
+    store: str | None = typer.Option(None, "--store", help=STORE_HELP),
+    target: str | None = typer.Option(None, "--target", help="Answering model (default: the canonical model)."),
     mode: str = typer.Option("auto", "--mode", help="auto | canonical | native | translate | none."),
     top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Answer length limit in tokens."),
     replay: int = typer.Option(0, "--replay", min=0, help="Top target layers recomputed (translate mode)."),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (answer, target, mode, sources, timings_ms)."),
 ) -> None:
     """Answer a question from the stored caches.
@@ -127,7 +129,7 @@ def ask_cmd(
     if not question.strip():
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype)
-    kwargs = dict(target=target, mode=mode, top_k=top_k, max_new_tokens=max_new_tokens, replay=replay)
+    kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
         for piece in answer_stream:
@@ -166,8 +168,8 @@ def format_details(answer: Any) -> str:
 # ---------------------------------------------------------------------- ls / rm / stats / doctor
 @_errors
 def ls_cmd(
-    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    store: str | None = typer.Option(None, "--store", help=STORE_HELP),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {documents: [...]}."),
 ) -> None:
     """List the stored documents.
@@ -189,8 +191,8 @@ def ls_cmd(
 @_errors
 def rm_cmd(
     document: str = typer.Argument(..., help="Document id (from `cagkv ls`) or its source path."),
-    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    store: str | None = typer.Option(None, "--store", help=STORE_HELP),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Remove a document: its catalog rows, KV blobs and vectors.
 
@@ -208,8 +210,8 @@ def rm_cmd(
 
 @_errors
 def stats_cmd(
-    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    store: str | None = typer.Option(None, "--store", help=STORE_HELP),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Store statistics: documents, chunks, tokens, bytes, canonical model, embedder.
@@ -227,8 +229,8 @@ def stats_cmd(
 @_errors
 def doctor_cmd(
     repair: bool = typer.Option(False, "--repair", help="Fix what is found (orphans, bad blobs, stale index)."),
-    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    store: str | None = typer.Option(None, "--store", help=STORE_HELP),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Check that catalog, blobs and index agree; exit 1 when problems remain.

@@ -66,7 +66,7 @@ def main() -> None:
     cag = CAG.open(store)
     print(f"store {store}: canonical model {cag.canonical}, target {args.target}\n")
     for question in QUESTIONS:
-        kw = dict(top_k=args.top_k, max_new_tokens=args.max_new_tokens)
+        kw = {"top_k": args.top_k, "max_new_tokens": args.max_new_tokens}
         stored = cag.ask(question, target=args.target, mode=args.mode, **kw)
         native = cag.ask(question, target=args.target, mode="native", **kw)
         canonical = cag.ask(question, mode="canonical", **kw)

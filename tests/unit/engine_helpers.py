@@ -26,7 +26,14 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 def make_tokenizer(chat: bool = True, vocab_size: int = 384):
     """A fast byte-level BPE tokenizer; chat=True adds a ChatML template, else BOS is prepended."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -59,9 +66,9 @@ def tiny_config(family: str, vocab_size: int):
     """A 2-4 layer random config of one of the real families (llama, qwen2, gemma3_text)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    common = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "max_position_embeddings": 2048, "tie_word_embeddings": True}  # fmt: skip
     if family == "llama":
         return LlamaConfig(num_hidden_layers=3, **common)
     if family == "qwen2":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from engine_helpers import make_tokenizer
 
 from cagkv.chunking import chunk_text, split_sentences
-from engine_helpers import make_tokenizer
 
 TEXT = (
     "The cat sat on the mat. It was a sunny day! Was the dog there? No.\n\n"
@@ -40,7 +42,7 @@ def test_chunks_respect_budget_and_spans(tok, budget):
         assert c.text == TEXT[c.start : c.end] and c.text == c.text.strip()
         assert n_tokens(tok, c.text) <= budget
     # in order, non-overlapping, and covering every non-space character
-    assert all(a.end <= b.start for a, b in zip(chunks, chunks[1:]))
+    assert all(a.end <= b.start for a, b in itertools.pairwise(chunks))
     covered = "".join(c.text for c in chunks)
     assert covered.replace(" ", "").replace("\n", "") == TEXT.replace(" ", "").replace("\n", "")
 

@@ -8,10 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from cagkv.cli.app import app
 from engine_helpers import make_model_dir
+from typer.testing import CliRunner
 
 DOC = "The lighthouse keeper lived on the island for thirty years. He lit the lamp at sunset."
 

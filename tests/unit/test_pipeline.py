@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import make_model_dir
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import collect_sources, ingest, ingest_sources, ingest_text
@@ -16,7 +17,6 @@ from cagkv.kv import KVBlock
 from cagkv.pipeline import CAG, TIMING_KEYS
 from cagkv.prefill import prefill_chunks
 from cagkv.prompt import PromptFormat
-from engine_helpers import make_model_dir
 
 DOC_A = (
     "The lighthouse keeper lived on the island for thirty years. Every night he lit the lamp "
@@ -204,7 +204,7 @@ def test_bad_questions_and_options(tmp_path, models):
 
 
 def test_ingest_is_idempotent_and_replaces_changed_files(tmp_path, models):
-    report, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    _report, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     store = cag.store
     before = store.stats()
     again = ingest([str(tmp_path / "doc0.txt"), str(tmp_path / "doc1.txt")], tmp_path / "store",
@@ -258,7 +258,6 @@ def test_prefill_blocks_batching_and_separator(models):
 
 def test_ingest_streams_blocks_one_batch_at_a_time(tmp_path, models, monkeypatch):
     """Memory stays bounded: a batch's blocks are released before the next batch is made."""
-    import gc
     import weakref
 
     import cagkv.prefill
@@ -268,7 +267,7 @@ def test_ingest_streams_blocks_one_batch_at_a_time(tmp_path, models, monkeypatch
     alive_at_call: list[int] = []
 
     def tracking(loaded, texts, batch_size=8, fmt=None):
-        gc.collect()
+        # blocks hold no reference cycles: reference counting frees them without gc.collect()
         alive_at_call.append(sum(r() is not None for r in made))
         blocks = real(loaded, texts, batch_size=batch_size, fmt=fmt)
         made.extend(weakref.ref(b) for b in blocks)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from engine_helpers import make_tokenizer
 
 from cagkv.prompt import PromptFormat
-from engine_helpers import make_tokenizer
 
 
 @pytest.fixture(scope="module")
