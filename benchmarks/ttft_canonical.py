@@ -120,7 +120,8 @@ def main() -> None:
         (f"{args.model} in {args.dtype}, chunks of <= {args.chunk_tokens} tokens, same retrieved chunks in both "
         f"modes, median of {args.repeats}; {result['machine']['cores']} cores, load average "
         f"{result['machine']['load_avg'][0]:.1f} at the end. Times in ms; canonical's `prefill` is the "
-        "question suffix only (the prefix cache is computed once per model)."),
+        "assembly (stored keys rotated to their positions and appended to the prefix cache, which is "
+        "computed once per model) plus the forward of the question suffix."),
         "",
         ("| context tokens | chunks | canonical: retrieve / load / prefill | canonical TTFT | native: retrieve / prefill "
         "| native TTFT | speedup |"),

@@ -3,7 +3,8 @@
     ask(question)            = prepare(...) + generate(...)
       prepare                  retrieve -> load -> translate -> assemble
         retrieve               store.search: top-k chunks for the question
-        load                   store.load_blocks: the chunks' canonical KV blocks
+        load                   store.load_blocks: the chunks' canonical KV blocks, placed
+                               in reverse rank order (the best chunk next to the question)
         translate              canonical blocks -> target blocks (identity in `canonical`)
         assemble               target prefix (computed natively once per model) + blocks
                                rotated at their assembled positions, each followed by the
@@ -245,16 +246,19 @@ class CAG:
                 hits = self.retrieve(question, top_k, document_ids)
         sources = [_source(h) for h in hits]
 
+        # Context order: the best chunk last, next to the question (small models lean on
+        # what they read last); `sources` stay best first.
+        in_context = hits[::-1]
         blocks: list[KVBlock] = []
         if mode in ("canonical", "translate") and hits:
             with _timer(timings, "load"):
-                blocks = self.load(hits)
+                blocks = self.load(in_context)
             if mode == "translate":
                 blocks = self.translate(blocks, translator, target_model, replay, timings)
 
         with _timer(timings, "prefill"):
             if mode == "native":
-                cache, n, pending = self.prefill_native(target_model, fmt, [s.text for s in sources])
+                cache, n, pending = self.prefill_native(target_model, fmt, [h.text for h in in_context])
             else:
                 cache, n, pending = self.assemble(target_model, fmt, blocks)
         prompt_ids = pending + fmt.question_suffix_ids(question)

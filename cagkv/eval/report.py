@@ -89,6 +89,12 @@ def build_report(
                 _put(entry, "kl", recovery(kl[mode], kl["none"], kl["native"], n_boot=n_boot, seed=seed))
             rec[mode] = entry
 
+    agree = {}
+    if "native" in modes:
+        for mode in modes:
+            if mode not in BASELINE_MODES:
+                agree[mode] = agreement([by_key[(i, mode)] for i in ids], [by_key[(i, "native")] for i in ids])
+
     return {
         "dataset": dataset,
         "canonical": canonical,
@@ -96,10 +102,29 @@ def build_report(
         "n": len(ids),
         "modes": summary,
         "recovery": rec,
+        "agreement": agree,
         "config": dict(config or {}),
         "kl_rows": list(kl_rows),
         "examples": [by_key[(i, m)] for i in ids for m in modes],
     }
+
+
+def agreement(rows: Sequence[dict[str, Any]], native: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How often a mode gives native's exact answer, for questions whose context was one
+    retrieved chunk and for several (chunks are prefilled independently, so several chunks
+    lack cross-chunk attention even in `canonical` mode)."""
+    out: dict[str, Any] = {}
+    for name, keep in (("single_chunk", lambda r: len(r.get("sources", [])) <= 1),
+                       ("multi_chunk", lambda r: len(r.get("sources", [])) > 1)):
+        pairs = [(r, n) for r, n in zip(rows, native) if keep(r)]
+        diffs = [abs(r["answer_logprob"] - n["answer_logprob"]) for r, n in pairs
+                 if r.get("answer_logprob") is not None and n.get("answer_logprob") is not None]
+        out[name] = {
+            "n": len(pairs),
+            "same_answer": sum(r.get("prediction") == n.get("prediction") for r, n in pairs),
+            "mean_abs_logprob_diff": round(sum(diffs) / len(diffs), 5) if diffs else None,
+        }
+    return out
 
 
 def _kl_columns(kl_rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, list[float]]:
@@ -171,6 +196,15 @@ def to_markdown(report: dict[str, Any]) -> str:
         for mode, r in report["recovery"].items():
             cells = [mode] + [_pct(r.get(k), r.get(f"{k}_ci")) for k in metrics]
             lines.append("| " + " | ".join(cells) + " |")
+    if report.get("agreement"):
+        lines += ["", "Same greedy answer as native (questions whose context was 1 chunk / several chunks; "
+                  "mean |answer log-prob - native's|):", ""]
+        lines += ["| mode | 1 chunk: same answer | 1 chunk: mean abs diff | several: same answer | several: mean abs diff |",
+                  "|---|---|---|---|---|"]
+        for mode, a in report["agreement"].items():
+            one, many = a["single_chunk"], a["multi_chunk"]
+            lines.append(f"| {mode} | {one['same_answer']} / {one['n']} | {_plain(one['mean_abs_logprob_diff'], digits=4)} "
+                         f"| {many['same_answer']} / {many['n']} | {_plain(many['mean_abs_logprob_diff'], digits=4)} |")
     lines += ["", "Time to first token split, mean ms per question (first_token is the time from the "
               "question to the first token, so it includes the phases to its left; total includes "
               "the whole answer):", ""]

@@ -243,3 +243,17 @@ def test_report_without_baselines_has_no_recovery() -> None:
     report = build_report(rows, dataset="t", canonical="a", target="b", modes=["native", "translate"])
     assert report["recovery"] == {}
     assert complete_ids(rows, ["native", "translate"]) == ["q0", "q1", "q2"]
+
+
+def test_agreement_splits_single_and_multi_chunk_questions() -> None:
+    from cagkv.eval.report import agreement
+
+    native = [{"prediction": "a", "answer_logprob": -1.0, "sources": ["d"]},
+              {"prediction": "b", "answer_logprob": -2.0, "sources": ["d", "d"]},
+              {"prediction": "c", "answer_logprob": -3.0, "sources": ["d", "d"]}]
+    mode = [{"prediction": "a", "answer_logprob": -1.0, "sources": ["d"]},
+            {"prediction": "x", "answer_logprob": -2.5, "sources": ["d", "d"]},
+            {"prediction": "c", "answer_logprob": -2.5, "sources": ["d", "d"]}]
+    a = agreement(mode, native)
+    assert a["single_chunk"] == {"n": 1, "same_answer": 1, "mean_abs_logprob_diff": 0.0}
+    assert a["multi_chunk"] == {"n": 2, "same_answer": 1, "mean_abs_logprob_diff": 0.5}
