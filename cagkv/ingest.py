@@ -1,17 +1,20 @@
 """Ingest orchestration: files / folders / stdin -> text -> chunks -> canonical KV -> store.
 
-    ingest(store, paths)                    the whole flow, one document at a time
+    ingest(paths, store)                     the whole flow, one document at a time
       collect_sources(paths)                 expand folders, check every input first
-      read_document(source)                  text of a .txt / .md / .html file (or stdin)
-      chunk_text -> prefill_chunks -> embed  per document, in batches
-      store.add_document(...)                one atomic write per document
+      load(canonical) / CacheStore.open      unknown model or foreign store: nothing written
+      ingest_sources -> ingest_text          per document:
+        read_document                        text of a .txt / .md / .html file (or stdin)
+        chunk_text -> prefill_chunks         chunks, canonical KV blocks, batch by batch
+        store.add_document(...)              blobs, embeddings, catalog, index: one document
 
 Every input is validated before anything is written, so a bad input (missing path,
-empty, binary, non-UTF-8 or oversized file) leaves the store unchanged. Documents are
-streamed: at most one document's caches are held in memory at a time.
+empty, binary, non-UTF-8 or oversized file) leaves the store unchanged. Blocks are
+streamed: the store serialises each batch before the next is prefilled, so memory holds
+one batch of caches, never a document's or the corpus's.
 
 Example:
-    >>> report = ingest(store, ["examples/docs"], chunk_tokens=256)
+    >>> report = ingest(["examples/docs"], "/tmp/store", chunk_tokens=256)
     >>> print(report.summary())
 """
 

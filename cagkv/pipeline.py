@@ -40,6 +40,7 @@ import torch
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
 from cagkv.prompt import PromptFormat
+from cagkv.stores.store import ChunksChangedError
 
 if TYPE_CHECKING:
     from cagkv.kv import KVBlock
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "canonical", "translate", "native", "none")
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
+_RETRIEVE_RETRIES = 5  # searches again when a concurrent writer removed a hit before its load
 
 
 @dataclass(frozen=True)
@@ -241,18 +243,25 @@ class CAG:
         timings = {k: 0.0 for k in TIMING_KEYS}
 
         hits: list[Any] = []
-        if mode != "none":
-            with _timer(timings, "retrieve"):
-                hits = self.retrieve(question, top_k, document_ids)
-        sources = [_source(h) for h in hits]
-
-        # Context order: the best chunk last, next to the question (small models lean on
-        # what they read last); `sources` stay best first.
-        in_context = hits[::-1]
         blocks: list[KVBlock] = []
-        if mode in ("canonical", "translate") and hits:
-            with _timer(timings, "load"):
-                blocks = self.load(in_context)
+        for attempt in range(_RETRIEVE_RETRIES + 1):
+            if mode != "none":
+                with _timer(timings, "retrieve"):
+                    hits = self.retrieve(question, top_k, document_ids)
+            # Context order: the best chunk last, next to the question (small models lean on
+            # what they read last); `sources` stay best first.
+            in_context = hits[::-1]
+            if mode not in ("canonical", "translate") or not hits:
+                break
+            try:
+                with _timer(timings, "load"):
+                    blocks = self.load(in_context)
+                break
+            except ChunksChangedError:  # a concurrent writer removed a hit: search again
+                if attempt == _RETRIEVE_RETRIES:
+                    raise
+        sources = [_source(h) for h in hits]
+        if blocks:
             if mode == "translate":
                 blocks = self.translate(blocks, translator, target_model, replay, timings)
 
@@ -365,10 +374,11 @@ class CAG:
         def append_run() -> int:
             if not run:
                 return 0
-            keys = torch.cat([b.keys.to(target.dtype) for b in run], dim=2)  # [L, H, sum T, D]
-            values = torch.cat([b.values.to(target.dtype) for b in run], dim=2)
+            # keys stay in their stored dtype: rotation runs in fp32, then casts (bf16-exact)
+            keys = torch.cat([b.keys for b in run], dim=2)  # [L, H, sum T, D]
+            values = torch.cat([b.values for b in run], dim=2)
             positions = torch.arange(n, n + keys.shape[2], dtype=torch.long)  # assembled positions
-            append_kv(cache, target.spec, keys, values, positions)
+            append_kv(cache, target.spec, keys, values, positions, dtype=target.dtype)
             run.clear()
             return int(keys.shape[2])
 

@@ -118,7 +118,7 @@ def _prefill_batch(
     positions = torch.arange(p, p + tmax, dtype=torch.long)  # [Tmax]
     dtype = keys.dtype
     if not spec.learned_positions:
-        keys = unrotate_layers(keys.float(), positions, spec.rope).to(dtype)  # RoPE undone, fp32 math
+        keys = unrotate_layers(keys, positions, spec.rope, out_dtype=torch.float32).to(dtype)  # fp32 math
     keys = keys.transpose(0, 1)  # [B, L, H, Tmax, D]
     values = values.transpose(0, 1)
     return list(keys), list(values)

@@ -280,3 +280,23 @@ def test_ingest_streams_blocks_one_batch_at_a_time(tmp_path, models, monkeypatch
                     batch_size=2, dtype="float32", embedder="hash-64", progress=False)  # fmt: skip
     assert report.chunks >= 10 and len(alive_at_call) >= 5
     assert max(alive_at_call) <= 2  # at most the previous batch, never the document's blocks
+
+
+def test_ask_searches_again_when_a_writer_removed_a_hit(tmp_path, models, monkeypatch):
+    """A hit removed between search and load (a concurrent `rm`) is retried, not an error."""
+    from cagkv.stores.store import ChunksChangedError
+
+    _, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B])
+    expected = cag.ask("Who lit the lamp?", mode="canonical", top_k=1, max_new_tokens=4)
+    real_load, calls = cag.store.load_blocks, []
+
+    def flaky_load(ids):
+        calls.append(list(ids))
+        if len(calls) == 1:
+            raise ChunksChangedError("chunk removed by a concurrent writer")
+        return real_load(ids)
+
+    monkeypatch.setattr(cag.store, "load_blocks", flaky_load)
+    answer = cag.ask("Who lit the lamp?", mode="canonical", top_k=1, max_new_tokens=4)
+    assert len(calls) == 2
+    assert answer.token_ids == expected.token_ids
