@@ -21,8 +21,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -400,6 +398,3 @@ def train(source_name: str, target_name: str, cfg: TrainConfig, progress: bool =
 
     return run_training(source_name, target_name, cfg, progress=progress)
 
-
-def cosine(step: int, steps: int) -> float:
-    return 0.5 * (1 + math.cos(math.pi * min(step, steps) / max(1, steps)))

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from cagkv.models import append_kv, build_cache, extract_kv, full_cache, rotate, unload, zoo
 
-from conftest import REAL_LMS, capture_pre_rope_keys
+from tiny_lms import REAL_LMS, capture_pre_rope_keys
 
 pytestmark = pytest.mark.integration
 

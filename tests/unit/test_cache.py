@@ -8,7 +8,7 @@ import torch
 from cagkv.models import append_kv, build_cache, extract_kv, full_cache
 from cagkv.models.cache import layer_span
 
-from conftest import build_tiny, tiny
+from tiny_lms import build_tiny, tiny
 
 TOL = 1e-4  # fp32 logits of tiny models (values are O(1..10))
 

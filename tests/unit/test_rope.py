@@ -8,7 +8,7 @@ import torch
 from cagkv.models import ModelSpec, full_cache, rotate, rotate_layers, unrotate, unrotate_layers
 from cagkv.models.rope import rope_layer_from_config
 
-from conftest import build_tiny, tiny_config
+from tiny_lms import build_tiny, tiny_config
 
 SCALED = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},

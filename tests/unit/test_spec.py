@@ -7,7 +7,7 @@ from transformers import BertConfig, Gemma3TextConfig, Qwen2Config
 
 from cagkv.models import ModelSpec, UnsupportedModelError
 
-from conftest import tiny, tiny_config
+from tiny_lms import tiny, tiny_config
 
 
 def test_llama_spec():

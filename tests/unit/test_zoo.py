@@ -17,7 +17,7 @@ from cagkv.errors import ModelNotFoundError, ModelPullError
 from cagkv.models import zoo
 from cagkv.models.fingerprint import folder_fingerprint, model_fingerprint
 
-from conftest import tiny_config
+from tiny_lms import tiny_config
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_load_local_folder_quietly_and_cached(home, tmp_path, capfd):
     from test_spec import _tokenizer
 
     from cagkv.models import load, unload
-    from conftest import build_tiny
+    from tiny_lms import build_tiny
 
     folder = tmp_path / "tiny-llama"
     build_tiny("llama").model.save_pretrained(folder)
