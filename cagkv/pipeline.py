@@ -164,6 +164,7 @@ class CAG:
         self._formats: dict[str, PromptFormat] = {}
         self._embedder_warm = False
         self._prefixes: dict[tuple[str, str], tuple[Any, int]] = {}
+        self._translators: dict[tuple[str, str], Any] = {}  # loaded once per (canonical, target)
 
     @classmethod
     def open(cls, path: str | None = None, db_url: str | None = None, **kwargs: Any) -> CAG:
@@ -451,14 +452,17 @@ class CAG:
         return "native", f"auto: no translator {canonical.name} -> {target.name}; native prefill", None
 
     def translator_for(self, canonical: LoadedModel, target: LoadedModel) -> Any:
-        """The translator artifact for (canonical, target), or None."""
-        finder = self._find_translator
-        if finder is None:
-            try:
-                from cagkv.translate import find_translator as finder  # type: ignore[attr-defined]
-            except ImportError:
-                return None
-        return finder(canonical.fingerprint, target.fingerprint)
+        """The translator artifact for (canonical, target), or None; read from disk once."""
+        key = (canonical.fingerprint, target.fingerprint)
+        if key not in self._translators:
+            finder = self._find_translator
+            if finder is None:
+                try:
+                    from cagkv.translate import find_translator as finder  # type: ignore[attr-defined]
+                except ImportError:
+                    return None
+            self._translators[key] = finder(*key)
+        return self._translators[key]
 
     # ------------------------------------------------------------------ decoding
     def _decode(self, prepared: Prepared, max_new_tokens: int) -> Generator[str, None, Answer]:
