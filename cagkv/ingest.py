@@ -384,11 +384,26 @@ def collect_sources(
 
 
 def _walk(folder: Path) -> list[Path]:
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and not p.name.startswith(".")
-    )
+    """Supported files under `folder`. Never read, with a one-line notice on stderr: a link
+    (or a file under a linked folder) that resolves outside the folder, and special files
+    (FIFOs, sockets, devices: opening a FIFO would block)."""
+    root = folder.resolve()
+    files = []
+    for p in sorted(folder.rglob("*")):
+        if p.suffix.lower() not in SUPPORTED_SUFFIXES or p.name.startswith("."):
+            continue
+        target = p.resolve()
+        if not target.is_relative_to(root):
+            _notice(f"skipping {p}: it links to {target}, outside {root}")
+        elif p.is_file():
+            files.append(p)
+        elif p.exists() and not p.is_dir():
+            _notice(f"skipping {p}: not a regular file (FIFO, socket or device)")
+    return files
+
+
+def _notice(message: str) -> None:
+    print(f"cagkv: {message}", file=sys.stderr)
 
 
 def _max_bytes(max_bytes: int | None) -> int:

@@ -46,7 +46,9 @@ _register_commands()
 def main() -> None:
     """Console-script entry point."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # a typer.Exit(n) comes back as n here, not raised
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except SystemExit as exit_:
         raise
     except UsageError as err:

@@ -38,8 +38,12 @@ def read_examples(path: str | Path) -> list[Example]:
         raise UsageError(f"dataset file not found: {path}")
     examples: list[Example] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise UsageError(f"{path}:{number}: not UTF-8 (invalid byte at column {err.start + 1})") from None
             if not line.strip():
                 continue
             example = _parse_line(line, path, number)
@@ -62,12 +66,22 @@ def _parse_line(line: str, path: Path, number: int) -> Example:
     missing = [key for key in REQUIRED_KEYS if key not in obj]
     if missing:
         raise UsageError(f"{path}:{number}: missing keys {missing}, expected {list(REQUIRED_KEYS)}")
+    for key in ("context", "question"):
+        if not isinstance(obj[key], str):
+            raise UsageError(f"{path}:{number}: {key!r} must be a string, got {type(obj[key]).__name__}")
+    if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
+        raise UsageError(f"{path}:{number}: 'id' must be a string or an integer, got {type(obj['id']).__name__}")
+    if not isinstance(obj.get("meta") or {}, dict):
+        raise UsageError(f"{path}:{number}: 'meta' must be a JSON object, got {type(obj['meta']).__name__}")
+    for key in ("answer_type", "dataset"):
+        if key in obj and not isinstance(obj[key], str):
+            raise UsageError(f"{path}:{number}: {key!r} must be a string, got {type(obj[key]).__name__}")
     answers = obj["answers"]
     if isinstance(answers, str):
         answers = [answers]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
         raise UsageError(f"{path}:{number}: 'answers' must be a non-empty list of strings")
-    if not str(obj["question"]).strip():
+    if not obj["question"].strip():
         raise UsageError(f"{path}:{number}: empty question")
     return Example(
         id=str(obj["id"]),

@@ -89,10 +89,21 @@ def load_translator(path: str | Path, source_fp: str | None = None, target_fp: s
     wfile = Path(path) / WEIGHTS
     if not wfile.exists():
         raise TranslatorError(f"translator weights missing: {wfile}")
-    state = {k: v.float() for k, v in load_file(str(wfile)).items()}
+    try:
+        state = {k: v.float() for k, v in load_file(str(wfile)).items()}
+    except Exception as e:  # noqa: BLE001 - truncated / not safetensors: safetensors raises several types
+        raise TranslatorError(f"translator weights at {wfile} are unreadable: {str(e).splitlines()[0]}") from None
+    expected = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (config wants {tuple(expected[k].shape)})"
+             for k, v in state.items() if k in expected and v.shape != expected[k].shape]  # fmt: skip
+    if wrong:
+        raise TranslatorError(f"translator weights at {wfile} do not fit its card's config: {', '.join(wrong[:3])}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise TranslatorError(f"translator weights at {wfile} do not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise TranslatorError(f"translator weights at {wfile} hold NaN or Inf: {bad[:3]}")
     return Translator(model, card, path=str(path))
 
 

@@ -94,7 +94,7 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
     ckpt_path = out / "ckpt.pt"
     state: dict[str, Any] = {"done": [], "metrics": {}, "stages": []}
     if ckpt_path.exists():
-        saved = torch.load(ckpt_path, weights_only=False)
+        saved = torch.load(ckpt_path, weights_only=True)
         mot.load_state_dict(saved["model"])
         state = saved["state"]
         _say(f"resumed from {ckpt_path}: done {state['done']}, in {saved.get('stage')} step {saved.get('step')}")
