@@ -49,7 +49,7 @@ def main() -> None:
         code = app(standalone_mode=False)  # a typer.Exit(n) comes back as n here, not raised
         if isinstance(code, int) and code:
             sys.exit(code)
-    except SystemExit as exit_:
+    except SystemExit:
         raise
     except UsageError as err:
         _report(err)
@@ -61,12 +61,12 @@ def main() -> None:
         print("cagkv: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as err:  # noqa: BLE001 - the CLI boundary turns every error into one line
-        import click
-
-        if isinstance(err, click.exceptions.UsageError):
+        # Typer ships its own click: its exceptions carry `exit_code` (2 for usage errors)
+        # and `show()`; an Abort (Ctrl-C at a prompt) has neither.
+        if hasattr(err, "exit_code") and hasattr(err, "show"):
             err.show()
-            sys.exit(2)
-        if isinstance(err, click.exceptions.Abort):
+            sys.exit(int(err.exit_code))
+        if type(err).__name__ == "Abort":
             sys.exit(1)
         _report(err)
         sys.exit(1)

@@ -212,3 +212,15 @@ def test_stdin(env, tmp_path):
     assert json.loads(out.stdout)["documents"] == 1
     empty = run("ingest", "-", "--store", str(tmp_path / "s"), input="")
     assert empty.exit_code == 2 and "empty" in empty.stderr
+
+
+@pytest.mark.parametrize("argv", [["ingest"], ["ask"], ["no-such-command"], ["ask", "q", "--top-k", "x"]])
+def test_entry_point_usage_errors_exit_2(argv, monkeypatch, capsys):
+    """The installed `cagkv` script (not CliRunner) turns click usage errors into exit 2."""
+    from cagkv.cli.app import main
+
+    monkeypatch.setattr("sys.argv", ["cagkv", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert "Error" in capsys.readouterr().err
