@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cagkv.config import strict_from_dict
 from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
 from cagkv.translate.layermap import layer_groups, used_source_layers
 
@@ -97,11 +98,7 @@ class MoTConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MoTConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown translator config keys {unknown}; expected some of {sorted(names)}")
-        return cls(**data)
+        return strict_from_dict(cls, data, "translator config keys")
 
 
 @dataclass

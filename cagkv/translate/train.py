@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from cagkv.align import align_tokens
+from cagkv.config import strict_from_dict
 from cagkv.models.cache import build_cache
 from cagkv.models.rope import rotate
 from cagkv.translate.features import TargetSide, running_stats, source_features
@@ -87,11 +87,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown training options {unknown}")
-        return cls(**data)
+        return strict_from_dict(cls, data, "training options")
 
 
 def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) -> MoTConfig:
