@@ -143,12 +143,9 @@ def _kl_columns(kl_rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict
 
 
 def _pct(value: float | None, ci: list[float | None] | None = None) -> str:
-    if value is None:
-        return "–"
-    text = f"{100 * value:.1f}"
-    if ci and ci[0] is not None and ci[1] is not None:
-        text += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-    return text
+    """A fraction as a percentage with one decimal, and its interval when known."""
+    scaled_ci = [None if c is None else 100 * c for c in ci] if ci else ci
+    return _plain(None if value is None else 100 * value, scaled_ci, digits=1)
 
 
 def _plain(value: float | None, ci: list[float | None] | None = None, digits: int = 3) -> str:
