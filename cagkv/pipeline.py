@@ -13,7 +13,11 @@
 
 Modes:
     canonical   the target is the canonical model; stored blocks are used as they are.
-    translate   a trained translator maps the canonical blocks to the target's KV.
+    translate   a trained translator maps the canonical blocks to the target's KV;
+                `replay=r` lets the target recompute its top r layers over the chunks
+                (default: the translator card's measured `default_replay`).
+    mot-window  the paper's reference inference (baseline): the target recomputes every
+                layer over the chunks, attending over translated K/V in ~30 % of its layers.
     native      the target prefills the retrieved chunk text itself (the baseline).
     none        the question alone (prefix + suffix, no documents).
     auto        translate if a good-enough translator exists, else canonical when the
@@ -46,7 +50,8 @@ if TYPE_CHECKING:
     from cagkv.kv import KVBlock
     from cagkv.models import LoadedModel
 
-MODES = ("auto", "canonical", "translate", "native", "none")
+MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
+TRANSLATED = ("translate", "mot-window")
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
 _RETRIEVE_RETRIES = 5  # searches again when a concurrent writer removed a hit before its load
 
@@ -186,7 +191,7 @@ class CAG:
         mode: str = "auto",
         top_k: int = 3,
         max_new_tokens: int = 64,
-        replay: int = 0,
+        replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store."""
@@ -200,7 +205,7 @@ class CAG:
         mode: str = "auto",
         top_k: int = 3,
         max_new_tokens: int = 64,
-        replay: int = 0,
+        replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
@@ -217,7 +222,7 @@ class CAG:
         target: str | None = None,
         mode: str = "auto",
         top_k: int = 3,
-        replay: int = 0,
+        replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
@@ -230,12 +235,14 @@ class CAG:
             raise UsageError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
         if top_k < 1:
             raise UsageError(f"top_k must be at least 1, got {top_k}")
-        if replay < 0:
+        if replay is not None and replay < 0:
             raise UsageError(f"replay must be >= 0, got {replay}")
         target_model = self.model(target or self.canonical)
         mode, reason, translator = self._resolve_mode(mode, target_model)
         if replay and mode != "translate":
             raise UsageError(f"replay needs mode translate (mode {mode} ran)")
+        if replay is None:  # the translator's measured default (0 where its card names none)
+            replay = int(getattr(translator, "default_replay", 0) or 0) if mode == "translate" else 0
         fmt = self.prompt_format(target_model)
         self._prefix_entry(target_model, fmt)  # computed once per model, before timing
         if mode != "none":
@@ -252,7 +259,7 @@ class CAG:
             # Context order: the best chunk last, next to the question (small models lean on
             # what they read last); `sources` stay best first.
             in_context = hits[::-1]
-            if mode not in ("canonical", "translate") or not hits:
+            if mode not in ("canonical", *TRANSLATED) or not hits:
                 break
             try:
                 with _timer(timings, "load"):
@@ -263,8 +270,8 @@ class CAG:
                     raise
         sources = [_source(h) for h in hits]
         if blocks:
-            if mode == "translate":
-                blocks = self.translate(blocks, translator, target_model, replay, timings)
+            if mode in TRANSLATED:
+                blocks = self.translate(blocks, translator, target_model, replay, timings, window=mode == "mot-window")
 
         with _timer(timings, "prefill"):
             if mode == "native":
@@ -340,16 +347,19 @@ class CAG:
         target: LoadedModel,
         replay: int,
         timings: dict[str, float],
+        window: bool = False,
     ) -> list[KVBlock]:
         """Canonical blocks -> the target's blocks (its own tokens, keys position-free)."""
-        kwargs = {"replay": replay} if replay else {}
+        kwargs: dict[str, Any] = {"replay": replay} if replay else {}
+        if window:
+            kwargs["window"] = True
         with _timer(timings, "translate"):
             if hasattr(translator, "translate_many"):  # one batched expert dispatch for all chunks
                 out = list(translator.translate_many(blocks, target, **kwargs))
             else:
                 out = [translator.translate(b, target, **kwargs) for b in blocks]
         # a translator that replays reports that part of its time separately
-        spent = getattr(translator, "last_replay_ms", 0.0) if replay else 0.0
+        spent = getattr(translator, "last_replay_ms", 0.0) if replay or window else 0.0
         timings["replay"], timings["translate"] = spent, timings["translate"] - spent
         return out
 
@@ -432,15 +442,17 @@ class CAG:
         if mode in ("native", "none", "canonical"):
             return mode, "", None
         translator = None if same else self.translator_for(canonical, target)
-        if mode == "translate":
-            if same:
+        if mode in TRANSLATED:
+            if same and mode == "translate":
                 return "canonical", "target is the canonical model: no translation needed", None
+            if same:
+                raise UsageError(f"mode {mode} needs a target other than the canonical model {canonical.name}")
             if translator is None:
                 raise TranslatorError(
                     f"no translator from {canonical.name} to {target.name}: train one "
                     "(cagkv train) or use --mode native"
                 )
-            return "translate", "", translator
+            return mode, "", translator
         # auto
         if translator is not None:
             ok, why = _good_enough(translator)

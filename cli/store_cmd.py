@@ -21,7 +21,7 @@ from cagkv.errors import CagkvError, UsageError
 
 STORE_HELP = "Store folder (default: $CAGKV_HOME/store)."
 DB_HELP = "SQLAlchemy URL of the catalog (default: SQLite inside the store)."
-MODES = ["auto", "canonical", "native", "translate", "none"]
+MODES = ["auto", "canonical", "native", "translate", "mot-window", "none"]
 
 
 def _errors(fn: Callable[..., None]) -> Callable[..., None]:
@@ -109,10 +109,13 @@ def ask_cmd(
     question: str = typer.Argument(..., help="The question."),
     store: str | None = typer.Option(None, "--store", help=STORE_HELP),
     target: str | None = typer.Option(None, "--target", help="Answering model (default: the canonical model)."),
-    mode: str = typer.Option("auto", "--mode", help="auto | canonical | native | translate | none."),
+    mode: str = typer.Option("auto", "--mode", help="auto | canonical | native | translate | mot-window | none."),
     top_k: int = typer.Option(3, "--top-k", min=1, help="Chunks retrieved."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Answer length limit in tokens."),
-    replay: int = typer.Option(0, "--replay", min=0, help="Top target layers recomputed (translate mode)."),
+    replay: int | None = typer.Option(
+        None, "--replay", min=0,
+        help="Top target layers recomputed over the chunks (translate mode; default: the translator card's default_replay).",
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),

@@ -23,6 +23,11 @@ def train_cmd(
     minutes: str = typer.Option("0,0,24", "--minutes", help="Wall budget per stage in minutes (0 = none)."),
     init: str = typer.Option("ridge", "--init", help="random, or ridge: start from the closed-form ridge map."),
     skip_rank: int = typer.Option(128, "--skip-rank", help="Rank of the per-layer linear path (0: none)."),
+    method: str = typer.Option("staged", "--method",
+                               help="staged: pairs + regression/attention/e2e stages; ridge: streaming closed-form fit."),
+    ridge_texts: int = typer.Option(0, "--ridge-texts", help="ridge: corpus chunks streamed (0: all)."),
+    ridge_minutes: float = typer.Option(0.0, "--ridge-minutes", help="ridge: stop streaming after N minutes (0: none)."),
+    replay: str = typer.Option("", "--replay", help="Replay heads to fit, as replay counts r (comma-separated, e.g. 2,4,6)."),
     threads: int = typer.Option(1, "--threads", help="torch CPU threads."),
     seed: int = typer.Option(0, "--seed"),
     config: str = typer.Option(None, "--config", help="JSON file of further TrainConfig fields."),
@@ -40,6 +45,10 @@ def train_cmd(
         m_reg, m_att, m_e2e = (float(x) for x in minutes.split(","))
     except ValueError:
         raise UsageError(f"--steps and --minutes take three comma-separated numbers, got {steps!r} / {minutes!r}") from None
+    try:
+        replays = [int(x) for x in replay.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--replay takes comma-separated integers, got {replay!r}") from None
     extra = json.loads(Path(config).read_text()) if config else {}
     home = Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv"))
     default_out = home / "translators" / f"{Path(canonical).name}__{Path(target).name}"
@@ -47,7 +56,8 @@ def train_cmd(
         out=str(out or default_out), samples=samples, experts=experts, top_k=top_k, seed=seed, threads=threads,
         steps_regression=s_reg, steps_attention=s_att, steps_e2e=s_e2e,
         stage_minutes={"regression": m_reg, "attention": m_att, "e2e": m_e2e},
-        init=init, skip_rank=skip_rank,
+        init=init, skip_rank=skip_rank, method=method, ridge_texts=ridge_texts, ridge_minutes=ridge_minutes,
+        replay=replays,
     )
     if corpus:
         fields["corpora"] = list(corpus)
@@ -56,6 +66,8 @@ def train_cmd(
         cfg = TrainConfig.from_dict(fields)
         if not 1 <= top_k <= experts:
             raise ValueError(f"--top-k must be between 1 and --experts={experts}, got {top_k}")
+        if method not in ("staged", "ridge"):
+            raise ValueError(f"--method must be staged or ridge, got {method!r}")
         if init not in ("random", "ridge") or (init == "ridge" and skip_rank < 1):
             raise ValueError(f"--init must be random or ridge (ridge needs --skip-rank >= 1), got {init!r}")
     except (TypeError, ValueError) as e:

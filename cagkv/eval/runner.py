@@ -78,17 +78,19 @@ class EvalConfig:
     n_boot: int = 2000
     command: str | None = None
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> translator artifact
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window]"
 
     def __post_init__(self) -> None:
-        # "NAME=PATH" in --modes: a `translate` row with the artifact at PATH, labelled NAME
+        # "NAME=[PATH][@R|@window]" in --modes: a translated row labelled NAME, with the
+        # artifact at PATH (default: the installed translator), replay R or mot-window
         labels = []
         for mode in self.modes:
-            label, sep, path = mode.partition("=")
+            label, sep, spec = mode.partition("=")
             if sep:
-                if not label or not path:
-                    raise UsageError(f"--modes: expected NAME=TRANSLATOR_DIR, got {mode!r}")
-                self.variants[label] = path
+                if not label or not spec:
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window], got {mode!r}")
+                variant_spec(spec)  # fails early on a bad spec
+                self.variants[label] = spec
             labels.append(label)
         self.modes = labels
         if self.retrieval not in ("oracle", "open"):
@@ -198,31 +200,52 @@ def ingest_contexts(store: Any, texts: Sequence[str], config: EvalConfig, prefix
 # ---------------------------------------------------------------------- modes -> engine calls
 
 
+def variant_spec(spec: str) -> tuple[str, int | None, bool]:
+    """`"[PATH][@R|@window]"` -> (artifact path or "" for the installed one, replay, window)."""
+    path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    if not sep:
+        return path, None, False
+    if mod == "window":
+        return path, None, True
+    try:
+        replay = int(mod)
+    except ValueError:
+        raise UsageError(f"--modes: after @ expected a replay count or 'window', got {mod!r}") from None
+    if replay < 0:
+        raise UsageError(f"--modes: replay must be >= 0, got {replay}")
+    return path, replay, False
+
+
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate) as they are; a `NAME=PATH` variant runs `translate` with the artifact at
-    PATH (e.g. the `linear` baseline or a single-expert ablation), same store and models."""
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window]` variant runs `translate`
+    (replay R) or `mot-window` with the artifact at PATH (default: the installed one), e.g.
+    the `linear` baseline, a single-expert ablation or one point of the replay curve."""
 
     def __init__(self, engine: CAG, config: EvalConfig) -> None:
         self.engine = engine
         self.config = config
         self._variants: dict[str, CAG] = {}
 
-    def engine_for(self, mode: str) -> tuple[CAG, str]:
+    def engine_for(self, mode: str) -> tuple[CAG, str, int | None]:
         if mode not in self.config.variants:
-            return self.engine, mode
+            return self.engine, mode, None
+        path, replay, window = variant_spec(self.config.variants[mode])
+        if not path:
+            return self.engine, "mot-window" if window else "translate", replay
         if mode not in self._variants:
             from cagkv.pipeline import CAG
 
             base = self.engine
             self._variants[mode] = CAG(base.store, canonical=base.canonical, dtype=base.dtype,
-                                       find_translator=_artifact_loader(self.config.variants[mode]))
-        return self._variants[mode], "translate"
+                                       find_translator=_artifact_loader(path))
+        return self._variants[mode], "mot-window" if window else "translate", replay
 
     def prepare(self, mode: str, question: str, document_ids: list[str] | None,
                 top_k: int | None = None) -> tuple[CAG, Any]:
-        engine, engine_mode = self.engine_for(mode)
-        replay = self.config.replay if engine_mode == "translate" else 0
+        engine, engine_mode, replay = self.engine_for(mode)
+        if replay is None:
+            replay = self.config.replay if engine_mode == "translate" else 0
         prepared = engine.prepare(question, target=self.config.target, mode=engine_mode,
                                   top_k=top_k or self.config.top_k, replay=replay,
                                   document_ids=document_ids)

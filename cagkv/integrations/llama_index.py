@@ -386,7 +386,7 @@ class CagkvQueryEngine(BaseQueryEngine):
         mode: str = "auto",
         top_k: int = 3,
         max_new_tokens: int = 64,
-        replay: int = 0,
+        replay: int | None = None,
         filters: MetadataFilters | None = None,
         streaming: bool = False,
         callback_manager: CallbackManager | None = None,

@@ -33,6 +33,7 @@ VERSION = 1
 WEIGHTS = "weights.safetensors"
 CARD = "card.json"
 _FP32_BUFFERS = ("src_mean", "src_std", "tgt_mean", "tgt_std")
+_FP32_SUFFIXES = (".mean", ".std")  # replay heads' residual-stream statistics
 
 
 def save_artifact(path: str | Path, model: MoTTranslator, card: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
@@ -43,7 +44,7 @@ def save_artifact(path: str | Path, model: MoTTranslator, card: dict[str, Any], 
     out.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, t in model.state_dict().items():
-        keep32 = name in _FP32_BUFFERS or not t.is_floating_point()
+        keep32 = name in _FP32_BUFFERS or name.endswith(_FP32_SUFFIXES) or not t.is_floating_point()
         state[name] = t.detach().cpu().to(torch.float32 if keep32 else dtype).contiguous()
     card = dict(card)
     card.update(format=FORMAT, version=VERSION, config=model.cfg.to_dict())

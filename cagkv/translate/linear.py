@@ -48,7 +48,7 @@ class LinearTranslator(MoTTranslator):
         ys = [self.design(src, emb, i) @ w for i, w in enumerate(self.ridge_w)]  # each [B, T, 2kv]
         y = torch.stack(ys, 1)  # [B, Lt, T, 2kv]
         zero = y.new_zeros(())
-        return MoTOutput(y=y, aux_loss=zero, boundary=None, expert_load=y.new_zeros(1, 1))
+        return MoTOutput(y=y, aux_loss=zero, expert_load=y.new_zeros(1, 1))
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ from cagkv.config import strict_from_dict
 from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
 from cagkv.translate.layermap import layer_groups, used_source_layers
 
-__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput"]
+__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank"]
 
 MIXING = ("none", "conv", "attn", "conv+attn")
 
@@ -63,8 +63,10 @@ class MoTConfig:
     conv_kernel: int = 4
     attn_heads: int = 4
     mixing: str = "conv+attn"
-    boundary_layer: int | None = None  # optional head: residual stream entering this layer
+    boundary_layer: int | None = None  # unused (superseded by `boundaries`); kept so older cards load
     tgt_hidden: int = 0
+    boundaries: list[int] = field(default_factory=list)  # replay heads: residual stream entering layer b
+    boundary_rank: int = 128
     dispatch: str = "auto"
     skip_rank: int = 0  # >0: a low-rank linear path per layer (initialised from ridge), MoT adds to it
 
@@ -75,6 +77,11 @@ class MoTConfig:
             raise ValueError(f"top_k must be in 1..experts={self.experts}, got {self.top_k}")
         if len(self.layer_map) != self.tgt_layers:
             raise ValueError(f"layer_map has {len(self.layer_map)} rows, expected {self.tgt_layers}")
+        bad = [b for b in self.boundaries if not 1 <= b < self.tgt_layers]
+        if bad:
+            raise ValueError(f"boundaries must lie in 1..{self.tgt_layers - 1}, got {bad}")
+        if self.boundaries and self.tgt_hidden < 1:
+            raise ValueError("boundaries need tgt_hidden (the target's hidden size)")
 
     # derived ---------------------------------------------------------------------
     @property
@@ -105,7 +112,6 @@ class MoTConfig:
 class MoTOutput:
     y: torch.Tensor  # [B, Lt, T, 2 * kv] normalised K|V of the translated layers
     aux_loss: torch.Tensor  # load-balancing loss (scalar)
-    boundary: torch.Tensor | None  # [B, T, tgt_hidden] or None
     expert_load: torch.Tensor  # [G, E] share of assignments per expert
 
 
@@ -117,6 +123,65 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def reduced_rank(
+    w: torch.Tensor, gram: torch.Tensor | None, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[float, float]]:
+    """A ridge map `w [F+1, O]` (bias row last) as `x @ a @ b + bias` of rank <= `rank`.
+
+    With `gram` (the design's X^T X, bias last) this is reduced-rank regression: project
+    the output on the top eigenvectors of the fitted values' second moment W^T X^T X W,
+    the best rank-r map in the data's metric; otherwise a truncated SVD of W. Returns
+    a `[F, k]`, b `[k, O]`, bias `[O]` (float32) and (energy kept, total energy).
+    """
+    w64 = w.double()
+    if gram is not None:
+        evals, evecs = torch.linalg.eigh(w64.T @ gram.double() @ w64)  # [O, O]
+        order = evals.flip(0).clamp(min=0)
+        k = min(rank, evals.numel())
+        v = evecs.flip(1)[:, :k]  # [O, k] top output directions
+        a, b, bias = w64[:-1] @ v, v.T, w64[-1] @ v @ v.T
+        energy = (float(order[:k].sum()), float(order.sum()))
+    else:
+        u, sv, vh = torch.linalg.svd(w64[:-1], full_matrices=False)
+        k = min(rank, sv.numel())
+        a, b, bias = u[:, :k] * sv[:k], vh[:k], w64[-1]
+        energy = (float((sv[:k] ** 2).sum()), float((sv**2).sum()))
+    return a.float(), b.float(), bias.float(), energy
+
+
+def boundary_source_layers(cfg: MoTConfig, layer: int) -> list[int]:
+    """Source layers read by the replay head of `layer`: those mapped to layers layer-1 and layer."""
+    used = set(cfg.used_src)
+    return sorted({s for l in (layer - 1, layer) for s in cfg.layer_map[l] if s in used})
+
+
+class BoundaryHead(nn.Module):
+    """Low-rank linear map from [normalised source features | RMS-normed target embedding]
+    to the target's residual stream entering one layer, in per-channel normalised units."""
+
+    def __init__(self, cfg: MoTConfig, layer: int) -> None:
+        super().__init__()
+        pos = {s: i for i, s in enumerate(cfg.used_src)}
+        feat = 2 * cfg.src_kv_dim
+        cols = torch.cat([torch.arange(pos[s] * feat, (pos[s] + 1) * feat) for s in boundary_source_layers(cfg, layer)])
+        self.register_buffer("cols", cols, persistent=False)
+        f_in = cols.numel() + cfg.tgt_embed_dim
+        self.a = nn.Parameter(torch.zeros(f_in, cfg.boundary_rank))
+        self.b = nn.Parameter(torch.zeros(cfg.boundary_rank, cfg.tgt_hidden))
+        self.bias = nn.Parameter(torch.zeros(cfg.tgt_hidden))
+        self.register_buffer("mean", torch.zeros(cfg.tgt_hidden))
+        self.register_buffer("std", torch.ones(cfg.tgt_hidden))
+
+    def design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """`[B, T, F_b + E]` inputs from normalised source features `x` and raw embeddings."""
+        e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return torch.cat([x.index_select(-1, self.cols), e], -1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        y = self.design(x, emb) @ self.a @ self.b + self.bias  # normalised units
+        return y * self.std + self.mean
 
 
 class MixBlock(nn.Module):
@@ -196,7 +261,7 @@ class MoTTranslator(nn.Module):
         n_tr = len(cfg.translated)
         self.head_w = nn.Parameter(torch.randn(n_tr, d, kv2) / math.sqrt(d))
         self.head_b = nn.Parameter(torch.zeros(n_tr, kv2))
-        self.boundary_head = nn.Linear(d, cfg.tgt_hidden) if cfg.boundary_layer is not None else None
+        self.boundary = nn.ModuleDict({str(b): BoundaryHead(cfg, b) for b in cfg.boundaries})
         if cfg.skip_rank > 0:
             # per translated layer: [its mapped source layers' features | normalised embedding] -> K|V
             skip_cols = torch.stack([
@@ -253,11 +318,7 @@ class MoTTranslator(nn.Module):
         y = torch.cat(ys, dim=1)  # [B, Lt, T, 2kv]
         if cfg.skip_rank > 0:
             y = y + self.skip(x, emb)
-        boundary = None
-        if self.boundary_head is not None:
-            g = self._group_of(max(0, int(cfg.boundary_layer) - 1))
-            boundary = self.boundary_head(h[g])
-        return MoTOutput(y=y, aux_loss=aux, boundary=boundary, expert_load=load.detach())
+        return MoTOutput(y=y, aux_loss=aux, expert_load=load.detach())
 
     def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """Inputs of the linear path: `[B, T, Lt, F]` (normalised source features | embedding)."""
@@ -287,22 +348,10 @@ class MoTTranslator(nn.Module):
         r = self.cfg.skip_rank
         kept, total = 0.0, 0.0
         for i, w in enumerate(ridge_w):
-            w64 = w.double()
-            if grams is not None:
-                m = w64.T @ grams[i].double() @ w64  # [2kv, 2kv] second moment of fitted values
-                evals, evecs = torch.linalg.eigh(m)
-                order = evals.flip(0).clamp(min=0)
-                k = min(r, evals.numel())
-                v = evecs.flip(1)[:, :k]  # [2kv, k] top directions of the output
-                a, b, bias = w64[:-1] @ v, v.T, w64[-1] @ v @ v.T
-                kept += float(order[:k].sum())
-                total += float(order.sum())
-            else:
-                u, sv, vh = torch.linalg.svd(w64[:-1], full_matrices=False)
-                k = min(r, sv.numel())
-                a, b, bias = u[:, :k] * sv[:k], vh[:k], w64[-1]
-                kept += float((sv[:k] ** 2).sum())
-                total += float((sv**2).sum())
+            a, b, bias, (k_i, t_i) = reduced_rank(w, None if grams is None else grams[i], r)
+            k = a.shape[1]
+            kept += k_i
+            total += t_i
             self.skip_a[i].zero_()
             self.skip_b[i].zero_()
             self.skip_a[i, :, :k].copy_(a.float())
@@ -312,11 +361,14 @@ class MoTTranslator(nn.Module):
         self.head_b.zero_()
         return kept / max(total, 1e-12)
 
-    def _group_of(self, layer: int) -> int:
-        for g, layers in enumerate(self.cfg.groups):
-            if layer in layers:
-                return g
-        return 0
+    def boundary_hidden(self, src: torch.Tensor, emb: torch.Tensor, layer: int) -> torch.Tensor:
+        """The target's residual stream entering `layer` `[B, T, hidden]`, predicted from the
+        raw aligned source features and the target's embeddings (the replay head)."""
+        if str(layer) not in self.boundary:
+            have = sorted(self.cfg.boundaries)
+            raise KeyError(f"no boundary head for layer {layer} (heads: {have})")
+        x = (src - self.src_mean) / self.src_std
+        return self.boundary[str(layer)](x, emb)
 
     # ------------------------------------------------------------------ units
     def decode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

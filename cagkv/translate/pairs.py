@@ -202,4 +202,5 @@ class PairSet:
             meta = f.metadata() or {}
         rec["kinds"] = json.loads(meta.get("kinds", "[]"))
         rec["text"] = meta.get("text", "")
+        rec["source"] = meta.get("source", "")
         return rec

@@ -67,6 +67,66 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
     return PairSet(base / "train"), PairSet(base / "heldout"), data
 
 
+def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any, heldout: PairSet,
+                        out: Path) -> tuple[MoTTranslator, dict[str, Any]]:
+    """`method="ridge"`: stream corpus chunks (never the held-out documents) into a ridge fit
+    (resumable from `out/ridge_fit.pt`) and return the translator it defines."""
+    from cagkv.translate.ridge import RidgeFit
+
+    held_docs = {heldout[i]["source"] for i in range(len(heldout))}
+    docs = [d for d in load_documents(cfg.corpora) if d[0] not in held_docs]
+    n = cfg.ridge_texts or 10**9
+    texts = [s.text for s in make_samples(docs, n, seed=cfg.seed + 1, chars=tuple(cfg.ridge_chunk_chars), kinds=("next",))]
+    texts = texts or [s.text for s in make_samples(docs, n, seed=cfg.seed + 1, chars=tuple(cfg.ridge_chunk_chars),
+                                                   kinds=("blank",))]
+    if not texts:
+        raise ValueError(f"corpora {cfg.corpora} gave no chunks of {cfg.ridge_chunk_chars} characters")
+    path = out / "ridge_fit.pt"
+    fit = RidgeFit.load(path) if path.exists() else RidgeFit.new(mot_cfg)
+    if fit.texts_done:
+        _say(f"ridge fit resumed at {fit.texts_done}/{len(texts)} chunks")
+    t0 = time.time()
+
+    def prog(i: int, total: int, tokens: int) -> None:
+        if i % 25 == 0 or i == total:
+            _say(f"ridge: {i}/{total} chunks, {tokens} target tokens ({time.time() - t0:.0f}s)")
+
+    fit.add_texts(source, target, texts, save_to=path, progress=prog, max_seconds=cfg.ridge_minutes * 60)
+    t_solve = time.time()
+    mot = fit.to_translator(lam=cfg.ridge_lambda)
+    info = {"texts": fit.texts_done, "texts_available": len(texts), "tokens": fit.tokens,
+            "chunk_chars": cfg.ridge_chunk_chars, "held_out_documents_excluded": len(held_docs),
+            "wall_s": round(fit.seconds + time.time() - t_solve, 1), "r2_in_sample": fit.r2(cfg.ridge_lambda)}
+    _say(f"ridge solved: {json.dumps(info)}")
+    return mot, info
+
+
+def train_replay_heads(trainer: Trainer, cfg: TrainConfig, state: dict[str, Any]) -> dict[str, Any]:
+    """Per replay head: optional Context Correction stage (gradients into that head only),
+    then held-out metrics with that replay. Returns {r: metrics}."""
+    mot, out = trainer.mot, {}
+    n_layers = mot.cfg.tgt_layers
+    for b in sorted(mot.cfg.boundaries, reverse=True):
+        r = n_layers - b
+        if cfg.steps_boundary > 0:
+            stage = f"boundary_r{r}"
+            opt = torch.optim.Adam(mot.boundary[str(b)].parameters(), lr=cfg.lr_e2e)
+            t0 = time.time()
+            trainer.cfg.stage_minutes = {**cfg.stage_minutes, stage: cfg.boundary_minutes}
+            trainer.begin_stage(stage)
+            trainer.steps_done = 0
+            trainer.stage_boundary(r, cfg.steps_boundary, opt)
+            state["stages"].append({"name": stage, "steps": trainer.steps_done, "planned_steps": cfg.steps_boundary,
+                                    "wall_s": round(time.time() - t0, 1)})
+        trainer.replay = r
+        try:
+            out[str(r)] = trainer.evaluate()
+        finally:
+            trainer.replay = 0
+        _say(f"replay {r} (boundary layer {b}): held-out answer_ll_recovery {out[str(r)]['answer_ll_recovery']}")
+    return out
+
+
 def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress: bool = True) -> Path:
     from cagkv.models import load
 
@@ -90,10 +150,20 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             _say(" ".join(f"{k}={v}" for k, v in rec.items()))
 
     mot = MoTTranslator(make_mot_config(source, target, cfg))
-    trainer = Trainer(source, target, pairs, heldout, cfg, mot=mot, log=log)
     ckpt_path = out / "ckpt.pt"
     state: dict[str, Any] = {"done": [], "metrics": {}, "stages": []}
-    if ckpt_path.exists():
+    if cfg.method == "ridge":
+        mot, data["ridge"] = fit_streaming_ridge(source, target, cfg, mot.cfg, heldout, out)
+    trainer = Trainer(source, target, pairs, heldout, cfg, mot=mot, log=log)
+    if cfg.method == "ridge":
+        metrics = trainer.evaluate()
+        _say(f"after streaming ridge: {json.dumps(metrics)}")
+        state["metrics"]["ridge_stream"] = metrics
+        state["stages"].append({"name": "ridge_stream", "lambda": cfg.ridge_lambda, "rank": cfg.skip_rank,
+                                "texts": data["ridge"]["texts"], "tokens": data["ridge"]["tokens"],
+                                "wall_s": data["ridge"]["wall_s"]})
+        state["done"].append("ridge_stream")
+    elif ckpt_path.exists():
         saved = torch.load(ckpt_path, weights_only=True)
         mot.load_state_dict(saved["model"])
         state = saved["state"]
@@ -114,7 +184,7 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             state["stages"].append({"name": "ridge_init", "lambda": cfg.ridge_lambda, "rank": cfg.skip_rank,
                                     "energy_kept": round(kept, 4), "wall_s": round(time.time() - t_r, 1)})
             torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
-    steps = stage_steps(cfg)
+    steps = stage_steps(cfg) if cfg.method != "ridge" else {s: 0 for s in STAGES}
     for stage in STAGES:
         if stage in state["done"] or steps[stage] <= 0:
             continue
@@ -144,6 +214,7 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
         saved = {}
     last = state["metrics"][state["done"][-1]] if state["done"] else {}
+    state["metrics"]["replay"] = train_replay_heads(trainer, cfg, state)
     card = {
         "source": {"name": source.name, "fingerprint": source.fingerprint, "layers": source.spec.num_layers,
                    "kv_heads": source.spec.num_kv_heads, "head_dim": source.spec.head_dim},
@@ -159,6 +230,11 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         "quality": {"metric": "answer_ll_recovery", "value": last.get("answer_ll_recovery"),
                     "auto_threshold": AUTO_THRESHOLD,
                     "note": "held-out cloze/what-follows answers on other documents of the training corpora"},
+        "replay": {"boundaries": mot.cfg.boundaries,
+                   "values": sorted({0, mot.cfg.tgt_layers, *(mot.cfg.tgt_layers - b for b in mot.cfg.boundaries)}),
+                   "heads": "closed-form ridge (reduced rank) to the residual stream entering each boundary layer"
+                   if cfg.method == "ridge" else "untrained"},
+        "default_replay": 0,  # set from the measured recovery/TTFT curve (docs/RESULTS.md)
         "parameters": mot.num_parameters(),
         "wall_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

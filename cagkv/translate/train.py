@@ -84,6 +84,15 @@ class TrainConfig:
     skip_rank: int = 128  # >0: low-rank linear path per layer
     init: str = "ridge"  # "ridge": start from the closed-form ridge solution (needs skip_rank)
     ridge_lambda: float = 30.0
+    method: str = "staged"  # "staged": pairs + stages; "ridge": streaming closed-form fit (ridge.py)
+    ridge_texts: int = 0  # "ridge": chunks streamed (0: as many as the corpora give)
+    ridge_chunk_chars: list[int] = field(default_factory=lambda: [500, 1100])
+    ridge_minutes: float = 0.0  # "ridge": stop streaming after this many minutes (0: no limit)
+    boundaries: list[int] = field(default_factory=list)  # replay heads, as target layers L - r
+    replay: list[int] = field(default_factory=list)  # replay heads, as replay counts r (0 < r < L)
+    steps_boundary: int = 0  # Context Correction steps per replay head (0: heads stay closed-form)
+    boundary_minutes: float = 0.0  # wall budget per replay head's stage (0: none)
+    boundary_rank: int = 128
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -98,7 +107,8 @@ def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) 
         layer_map=layer_map(s.num_layers, t.num_layers, cfg.layer_nearest), exact_layers=[0],
         tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
         experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, tgt_hidden=int(target.config.hidden_size),
-        skip_rank=cfg.skip_rank,
+        skip_rank=cfg.skip_rank, boundary_rank=cfg.boundary_rank,
+        boundaries=sorted(set(cfg.boundaries) | {t.num_layers - r for r in cfg.replay if 0 < r < t.num_layers}),
     )
 
 
@@ -129,6 +139,7 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self.P = int(pairs.prefix_ids.numel())
         self.t_start = time.time()
+        self.replay = 0  # > 0: translate_batch recomputes the top `replay` layers (replay heads)
 
     # ------------------------------------------------------------------ data
     def fit_stats(self, n: int = 64) -> None:
@@ -170,12 +181,43 @@ class Trainer:
         return {"src": src, "ids": ids, "tk": tk, "tv": tv, "mask": mask, "lengths": torch.tensor(lengths)}
 
     def translate_batch(self, bt: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Differentiable translation: keys/values `[B, L, H, T, D]` and the MoT output."""
+        """Differentiable translation: keys/values `[B, L, H, T, D]` and the MoT output.
+        With `self.replay = r > 0` the top r layers are recomputed by the frozen target
+        from the replay head's residual stream (as `Translator.translate_many` does)."""
         with torch.no_grad():
             emb = self.ts.embed(bt["ids"]).float()
         out = self.mot(bt["src"], emb, bt["mask"])
         keys, values = assemble_kv(self.mot, self.ts, out, emb)
+        if self.replay:
+            keys, values = self.replay_kv(bt, emb, keys, values)
         return keys, values, out
+
+    def replay_kv(self, bt: dict[str, torch.Tensor], emb: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace layers L-r.. of each chunk by the target's recomputation (differentiable)."""
+        from cagkv.models.layers import run_layers
+        from cagkv.models.rope import unrotate
+
+        spec, n_layers = self.target.spec, self.mot.cfg.tgt_layers
+        start = n_layers - self.replay
+        dtype = next(self.target.model.parameters()).dtype
+        out_k, out_v = [], []
+        for i, n in enumerate(bt["lengths"].tolist()):
+            cache = build_cache(self.target.config, spec, self.pairs.prefix_k.float(), self.pairs.prefix_v.float(),
+                                torch.arange(self.P), dtype=dtype)
+            x = emb[i : i + 1, :n] if start == 0 else self.mot.boundary_hidden(bt["src"][i : i + 1, :n], emb[i : i + 1, :n], start)
+            positions = torch.arange(self.P, self.P + n)
+            run_layers(self.target.model, x.to(dtype), positions[None], cache, start)
+            ks, vs = list(keys[i].unbind(0)), list(values[i].unbind(0))  # per layer [H, T, D]
+            for l in range(start, n_layers):
+                k_new = unrotate(cache.layers[l].keys[0, :, -n:].float(), positions, spec.rope[l])
+                v_new = cache.layers[l].values[0, :, -n:].float()
+                pad = ks[l].shape[1] - n
+                ks[l] = torch.cat([k_new, ks[l][:, n:]], 1) if pad else k_new
+                vs[l] = torch.cat([v_new, vs[l][:, n:]], 1) if pad else v_new
+            out_k.append(torch.stack(ks))
+            out_v.append(torch.stack(vs))
+        return torch.stack(out_k), torch.stack(out_v)
 
     def regression_loss(self, keys: torch.Tensor, values: torch.Tensor, bt: dict[str, torch.Tensor]) -> torch.Tensor:
         """Normalised MSE over translated layers and real tokens (post k-norm keys)."""
@@ -270,7 +312,8 @@ class Trainer:
         weight = 0.05 + w[sel] / w[sel].sum().clamp(min=1e-6) + ans[sel].float() / max(1, int(ans[sel].sum()))
         return (weight * kl).sum() / weight.sum()
 
-    def stage_e2e(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
+    def stage_e2e(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None,
+                  stage: str = "e2e", anchor: bool = True) -> None:
         for step in range(start, steps):
             opt.zero_grad()
             stats = {"loss": 0.0, "reg": 0.0}
@@ -282,17 +325,27 @@ class Trainer:
                 bt = self.batch([rec])
                 keys, values, out = self.translate_batch(bt)
                 kl = self.e2e_loss(keys, values, rec, 0, j)
-                reg = self.regression_loss(keys, values, bt)
+                reg = self.regression_loss(keys, values, bt) if anchor else kl.new_zeros(())
                 total = kl + self.cfg.anchor_weight * reg + self.cfg.aux_weight * out.aux_loss
                 (total / self.cfg.e2e_accum).backward()
                 stats["loss"] += kl.item() / self.cfg.e2e_accum
                 stats["reg"] += reg.item() / self.cfg.e2e_accum
             torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
             opt.step()
-            self._after_step("e2e", step, steps, stats, ckpt)
+            self._after_step(stage, step, steps, stats, ckpt)
             self.steps_done = step + 1
             if self._out_of_time(step):
                 break
+
+    def stage_boundary(self, replay: int, steps: int, opt: torch.optim.Optimizer, start: int = 0,
+                       ckpt: Callable | None = None) -> None:
+        """Context Correction for one replay head: KL of the target's continuations after
+        replaying its top `replay` layers from the head, gradients into that head only."""
+        self.replay = replay
+        try:
+            self.stage_e2e(steps, opt, start=start, ckpt=ckpt, stage=f"boundary_r{replay}", anchor=False)
+        finally:
+            self.replay = 0
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

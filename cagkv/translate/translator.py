@@ -3,6 +3,15 @@
     translate(block, target)  one chunk
     translate_many(blocks, target)  all retrieved chunks in one padded batch (one expert
                                     dispatch for every token, layer group and slot)
+    translate_many(..., replay=r)   the target recomputes its top r layers over each chunk
+                                    from the replay head's residual stream entering layer
+                                    L - r (r = L: from its own embeddings, i.e. native)
+    translate_many(..., window=True) `mot-window`: the target recomputes every layer over
+                                    each chunk, attending over translated K/V in a window
+                                    of ~30 % of its layers (the paper's reference inference)
+
+Replay and window run each chunk after the target's own context prefix at positions
+P..P+T-1 (as at ingest and in training) and return position-free keys, like translation.
 
 The returned `KVBlock` holds the target's tokens of the same chunk text, position-free
 keys (the engine rotates them with the target's RoPE at their assembled positions) and
@@ -15,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -24,6 +35,15 @@ from cagkv.errors import TranslatorError
 from cagkv.kv import KVBlock
 from cagkv.translate.features import TargetSide, source_features
 from cagkv.translate.mot import MoTOutput, MoTTranslator
+
+WINDOW_START, WINDOW_SHARE = 0.35, 0.30  # mot-window: layers at relative depth [0.35, 0.65)
+
+
+def window_layers(num_layers: int, start: float = WINDOW_START, share: float = WINDOW_SHARE) -> list[int]:
+    """The `mot-window` layers: about `share` of the stack starting at relative depth `start`."""
+    n = max(1, round(share * num_layers))
+    first = min(max(1, round(start * num_layers)), num_layers - n)
+    return list(range(first, first + n))
 
 if TYPE_CHECKING:
     from cagkv.models import LoadedModel
@@ -130,15 +150,34 @@ class Translator:
         verb = ">=" if q >= self.auto_threshold else "<"
         return q >= self.auto_threshold, f"held-out {metric} {q:.3f} {verb} threshold {self.auto_threshold:.2f}"
 
-    def translate(self, block: KVBlock, target: LoadedModel, replay: int = 0) -> KVBlock:
+    @property
+    def default_replay(self) -> int:
+        """The replay `auto`/`translate` use when none is asked: the card's measured choice."""
+        value = int(self.card.get("default_replay", 0) or 0)
+        return value if value in self.replay_values else 0
+
+    @property
+    def replay_values(self) -> list[int]:
+        """The `replay` values this translator supports: 0, one per replay head, and L."""
+        n = self.model.cfg.tgt_layers
+        return sorted({0, n, *(n - b for b in self.model.cfg.boundaries)})
+
+    def translate(self, block: KVBlock, target: LoadedModel, replay: int = 0, window: bool = False) -> KVBlock:
         """Translate one source block into the target's KV format (see module doc)."""
-        return self.translate_many([block], target, replay=replay)[0]
+        return self.translate_many([block], target, replay=replay, window=window)[0]
 
     @torch.no_grad()
-    def translate_many(self, blocks: Sequence[KVBlock], target: LoadedModel, replay: int = 0) -> list[KVBlock]:
-        """Translate several blocks in one padded batch."""
-        if replay:
-            raise TranslatorError(f"this translator has no replay support (asked replay={replay}); use replay=0")
+    def translate_many(self, blocks: Sequence[KVBlock], target: LoadedModel, replay: int = 0,
+                       window: bool = False) -> list[KVBlock]:
+        """Translate several blocks in one padded batch (see module doc for replay / window)."""
+        self.last_replay_ms = 0.0
+        if replay not in self.replay_values:
+            raise TranslatorError(
+                f"this translator supports replay in {self.replay_values} (asked {replay}); its card lists the "
+                "replay heads it was trained with"
+            )
+        if replay and window:
+            raise TranslatorError("replay and mot-window are two different inferences: use one")
         self.check_models(blocks, target)
         if not blocks:
             return []
@@ -152,6 +191,21 @@ class Translator:
         emb = ts.embed(inputs.ids).float()
         out = self.model(inputs.src, emb, inputs.mask)
         keys, values = assemble_kv(self.model, ts, out, emb.to(dtype))
+        if replay or window:
+            t0 = time.perf_counter()
+            keys, values = keys.to(dtype), values.to(dtype)
+            for i in range(len(blocks)):
+                n = inputs.lengths[i]
+                if window:
+                    hidden = emb[i : i + 1, :n].to(dtype)
+                    start, inject = 0, window_layers(self.model.cfg.tgt_layers)
+                else:
+                    start, inject = self.model.cfg.tgt_layers - replay, []
+                    hidden = (emb[i : i + 1, :n] if start == 0 else
+                              self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start)).to(dtype)
+                k_new, v_new = self._recompute(target, hidden, start, keys[i, :, :, :n], values[i, :, :, :n], inject)
+                keys[i, start:, :, :n], values[i, start:, :, :n] = k_new[start:], v_new[start:]
+            self.last_replay_ms = (time.perf_counter() - t0) * 1000
         result = []
         for i, block in enumerate(blocks):
             n = inputs.lengths[i]
@@ -168,6 +222,43 @@ class Translator:
             )
         return result
 
+    def _prefix(self, target: LoadedModel) -> tuple[Any, int]:
+        """The target's own context-prefix cache (computed once per target), and its length."""
+        from cagkv.models.cache import full_cache
+        from cagkv.prompt import PromptFormat
+
+        key = (target.fingerprint, str(target.dtype))
+        cached = getattr(self, "_prefixes", {})
+        if key not in cached:
+            ids = PromptFormat.for_model(target).context_prefix_ids()
+            cache = full_cache()
+            if ids:
+                target.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+            cached[key] = (cache, len(ids))
+            self._prefixes = cached
+        return cached[key]
+
+    def _recompute(self, target: LoadedModel, hidden: torch.Tensor, start: int, keys: torch.Tensor,
+                   values: torch.Tensor, inject: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target's layers start.. over one chunk after its prefix; `inject` layers
+        attend over (and keep) the translated K/V given. Returns position-free K, V `[L, H, T, D]`."""
+        from cagkv.models.cache import extract_kv
+        from cagkv.models.layers import inject_kv, run_layers
+        from cagkv.models.rope import rotate
+
+        prefix, p = self._prefix(target)
+        cache = copy.deepcopy(prefix)
+        t = hidden.shape[1]
+        positions = torch.arange(p, p + t)
+        given = {l: (rotate(keys[l], positions, target.spec.rope[l], out_dtype=keys.dtype)[None], values[l][None])
+                 for l in inject}
+        with inject_kv(cache, given):
+            run_layers(target.model, hidden, positions[None], cache, start)
+        k_all, v_all = keys.clone(), values.clone()
+        k_new, v_new = _extract_layers(cache, target, positions, range(start, target.spec.num_layers))
+        k_all[start:], v_all[start:] = k_new.to(keys.dtype), v_new.to(values.dtype)
+        return k_all, v_all
+
     def check_models(self, blocks: Sequence[KVBlock], target: LoadedModel) -> None:
         """Refuse blocks or a target whose fingerprint differs from the card's."""
         if target.fingerprint != self.target_fingerprint:
@@ -179,3 +270,16 @@ class Translator:
                 raise TranslatorError(
                     f"translator is for source model {self.source_fingerprint}, block was made by {b.model_fingerprint}"
                 )
+
+
+def _extract_layers(cache: Any, target: LoadedModel, positions: torch.Tensor, layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position-free K, V `[len(layers), H, T, D]` of the last T entries of the given layers."""
+    from cagkv.models.rope import unrotate
+
+    t = positions.numel()
+    ks, vs = [], []
+    for l in layers:
+        lay = cache.layers[l]
+        ks.append(unrotate(lay.keys[0, :, -t:], positions, target.spec.rope[l], out_dtype=torch.float32))
+        vs.append(lay.values[0, :, -t:])
+    return torch.stack(ks), torch.stack(vs)

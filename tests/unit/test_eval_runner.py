@@ -286,5 +286,17 @@ def test_named_translator_variant_runs_translate_with_that_artifact(dataset, mod
             assert row["resolved_mode"] == "translate" and row["translator"] == "/artifacts/linear"
             assert row["answer_logprob"] == pytest.approx(rows[(qid, "native")]["answer_logprob"], abs=2e-3)
     assert set(report["recovery"]) == {"linear"}
-    with pytest.raises(UsageError, match="NAME=TRANSLATOR_DIR"):
+    with pytest.raises(UsageError, match=r"NAME=\[TRANSLATOR_DIR\]"):
         config(dataset, models, tmp_path, modes=["none", "=x"])
+
+
+def test_variant_spec_names_artifact_replay_or_window():
+    from cagkv.eval.runner import variant_spec
+
+    assert variant_spec("/a/b") == ("/a/b", None, False)
+    assert variant_spec("/a/b@4") == ("/a/b", 4, False)
+    assert variant_spec("@6") == ("", 6, False)
+    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True)
+    for bad in ("/a@x", "@-1"):
+        with pytest.raises(UsageError, match="--modes"):
+            variant_spec(bad)

@@ -300,3 +300,30 @@ def test_ask_searches_again_when_a_writer_removed_a_hit(tmp_path, models, monkey
     answer = cag.ask("Who lit the lamp?", mode="canonical", top_k=1, max_new_tokens=4)
     assert len(calls) == 2
     assert answer.token_ids == expected.token_ids
+
+
+class RecordingTranslator(PrefillTranslator):
+    """A perfect translator that records the replay / window options the engine passed."""
+
+    def __init__(self, default_replay=0):
+        super().__init__()
+        self.default_replay, self.kwargs = default_replay, []
+
+    def translate(self, block, target, **kwargs):
+        self.kwargs.append(kwargs)
+        return super().translate(block, target)
+
+
+def test_mot_window_mode_and_default_replay_reach_the_translator(tmp_path, models):
+    _, base = make_store(tmp_path, models["llama"], [DOC_A], chunk_tokens=24)
+    tr = RecordingTranslator(default_replay=3)
+    cag = CAG(base.store, find_translator=lambda src, tgt: tr)
+    q = "Who lit the lamp?"
+    win = cag.ask(q, target=models["qwen2"], mode="mot-window", max_new_tokens=2, top_k=1)
+    assert win.mode == "mot-window" and tr.kwargs[-1] == {"window": True}
+    auto = cag.ask(q, target=models["qwen2"], max_new_tokens=2, top_k=1)  # auto: the card's default replay
+    assert auto.mode == "translate" and tr.kwargs[-1] == {"replay": 3}
+    cag.ask(q, target=models["qwen2"], mode="translate", replay=0, max_new_tokens=2, top_k=1)
+    assert tr.kwargs[-1] == {}  # an explicit 0 wins over the default
+    with pytest.raises(UsageError, match="mot-window needs a target other"):
+        cag.ask(q, mode="mot-window")

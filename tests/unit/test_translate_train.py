@@ -146,3 +146,32 @@ def test_ridge_init_makes_translator_equal_ridge(pairs: PairSet) -> None:
         torch.testing.assert_close(tr.mot(bt["src"], emb, bt["mask"]).y, lin(bt["src"], emb).y, rtol=1e-4, atol=1e-4)
     low = _trainer(pairs, skip_rank=4)
     assert low.mot.init_skip_from_ridge(lin.ridge_w) < 1.0  # truncation keeps part of the energy
+
+
+def test_replay_in_training_matches_native_at_full_depth_and_trains_only_its_head(pairs: PairSet) -> None:
+    tr = _trainer(pairs, boundaries=[4], boundary_rank=4)
+    tgt = tr.target
+    rec = pairs[0]
+    bt = tr.batch([rec])
+    tr.replay = tgt.spec.num_layers  # every layer recomputed from the target's own embeddings
+    with torch.no_grad():
+        keys, values, _ = tr.translate_batch(bt)
+    n = int(rec["tgt_ids"].numel())
+    torch.testing.assert_close(values[0, :, :, :n], rec["tgt_v"].float(), atol=2e-3, rtol=2e-3)  # pairs store fp16
+    torch.testing.assert_close(keys[0, :, :, :n], rec["tgt_k"].float(), atol=2e-3, rtol=2e-3)
+    head = tr.mot.boundary["4"]
+    with torch.no_grad():
+        head.a.normal_(0, 0.05)
+        head.b.normal_(0, 0.05)
+    before_target = {k: v.clone() for k, v in tgt.model.state_dict().items()}
+    before_other = {k: v.clone() for k, v in tr.mot.state_dict().items() if not k.startswith("boundary.")}
+    opt = torch.optim.Adam(list(head.parameters()), lr=1e-2)
+    tr.cfg.e2e_accum = 1
+    tr.stage_boundary(2, 3, opt)  # replay 2 = boundary layer 4 of 6
+    assert tr.replay == 0  # restored after the stage
+    assert head.a.grad is not None and float(head.a.grad.abs().sum()) > 0
+    for k, v in tgt.model.state_dict().items():
+        assert torch.equal(v, before_target[k]), k
+    for k, v in tr.mot.state_dict().items():
+        if not k.startswith("boundary."):
+            assert torch.equal(v, before_other[k]), k

@@ -1,0 +1,109 @@
+"""Run a slice of a decoder's layers from a given residual stream (the replay primitive).
+
+`run_layers(model, hidden, positions, cache, start)` feeds `hidden` `[B, T, E]` (the
+residual stream entering layer `start`) through layers `start..L-1` at `positions`,
+appending each layer's keys/values to `cache` exactly as the model's own forward does
+(same masks, same rotary embeddings per layer type). With `start=0` and the token
+embeddings as `hidden` it is the model's forward, which the tests check bit for bit.
+
+`inject_kv(cache, {layer: (keys_rotated, values)})` makes the named layers store and
+attend over the given keys/values for the new tokens instead of the ones they compute
+(the `mot-window` reference inference).
+
+Example:
+    >>> cache = prefix_cache_copy()
+    >>> h = run_layers(model, boundary_hidden, torch.arange(P, P + T)[None], cache, start=12)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["run_layers", "inject_kv", "decoder_of"]
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The inner decoder (`model.model` of a *ForCausalLM) holding `layers`."""
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "layers"):
+        raise TypeError(f"cannot find decoder layers in {type(model).__name__}")
+    return inner
+
+
+def _layer_types(config: Any, n: int) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else ["full_attention"] * n
+
+
+def _masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, kinds: set[str]) -> dict[str, Any]:
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kw = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache, "position_ids": positions}
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        out[kind] = create_sliding_window_causal_mask(**kw) if kind == "sliding_attention" else create_causal_mask(**kw)
+    return out
+
+
+def _rotary(inner: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+    rot = inner.rotary_emb
+    per_type = "layer_type" in inspect.signature(rot.forward).parameters
+    if per_type:
+        return {kind: rot(hidden, positions, kind) for kind in kinds}
+    shared = rot(hidden, positions)
+    return {kind: shared for kind in kinds}
+
+
+def run_layers(
+    model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, start: int, stop: int | None = None
+) -> torch.Tensor:
+    """Layers `start..stop-1` over `hidden` `[B, T, E]` at `positions` `[B, T]`; returns the
+    residual stream after them (before the final norm). `cache` receives their K/V."""
+    inner = decoder_of(model)
+    config = inner.config
+    n = len(inner.layers)
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"layer range [{start}, {stop}) outside 0..{n}")
+    types = _layer_types(config, n)
+    kinds = {types[i] for i in range(start, stop)}
+    if not kinds:
+        return hidden
+    masks = _masks(config, hidden, positions, cache, kinds)
+    rope = _rotary(inner, hidden, positions, kinds)
+    for i in range(start, stop):
+        hidden = inner.layers[i](
+            hidden, attention_mask=masks[types[i]], position_embeddings=rope[types[i]],
+            position_ids=positions, cache=cache, use_cache=True,
+        )
+    return hidden
+
+
+@contextmanager
+def inject_kv(cache: Any, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Any]:
+    """While active, `cache.update(k, v, layer)` for a layer in `kv` stores (and returns for
+    attention) the given rotated keys / values `[B, H, T, D]` instead of the computed ones."""
+    original = cache.update
+
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        if layer_idx in kv:
+            k, v = kv[layer_idx]
+            if k.shape != key_states.shape or v.shape != value_states.shape:
+                raise ValueError(
+                    f"layer {layer_idx}: injected K/V {tuple(k.shape)}/{tuple(v.shape)} do not match the computed "
+                    f"{tuple(key_states.shape)}/{tuple(value_states.shape)}"
+                )
+            key_states, value_states = k.to(key_states.dtype), v.to(value_states.dtype)
+        return original(key_states, value_states, layer_idx, *args, **kwargs)
+
+    cache.update = update
+    try:
+        yield cache
+    finally:
+        del cache.update  # back to the class method

@@ -1,0 +1,174 @@
+"""Replay knob, mot-window and the streaming ridge fit, on tiny random model pairs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from translate_fixtures import CORPUS, tiny_model  # noqa: E402
+
+from cagkv.align import token_offsets  # noqa: E402
+from cagkv.errors import TranslatorError  # noqa: E402
+from cagkv.kv import KVBlock  # noqa: E402
+from cagkv.models.cache import extract_kv, full_cache  # noqa: E402
+from cagkv.models.layers import inject_kv, run_layers  # noqa: E402
+from cagkv.prompt import PromptFormat  # noqa: E402
+from cagkv.translate import Translator  # noqa: E402
+from cagkv.translate.mot import MoTTranslator  # noqa: E402
+from cagkv.translate.ridge import RidgeFit  # noqa: E402
+from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
+from cagkv.translate.translator import window_layers  # noqa: E402
+
+TEXT = CORPUS[0]
+
+
+def _block(loaded, text: str = TEXT) -> KVBlock:
+    ids, offs = token_offsets(loaded.tokenizer, text)
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids[None], cache=full_cache(), use_cache=True)
+    k, v = extract_kv(out.cache, loaded.spec, torch.arange(ids.numel()))
+    return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
+
+
+def _translator(src, tgt, boundaries=(2,)) -> Translator:
+    torch.manual_seed(0)
+    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=3, top_k=2, group_size=2, skip_rank=4,
+                                                boundaries=list(boundaries), boundary_rank=4))
+    mot = MoTTranslator(cfg)
+    with torch.no_grad():
+        for p in mot.parameters():
+            p.normal_(0, 0.05)
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    return Translator(mot, card)
+
+
+def _native_chunk_kv(tgt, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's own position-free K/V of the chunk, prefilled after its context prefix."""
+    prefix = PromptFormat.for_model(tgt).context_prefix_ids()
+    ids, _ = token_offsets(tgt.tokenizer, text)
+    with torch.no_grad():
+        out = tgt.model(input_ids=torch.tensor([prefix + ids.tolist()]), cache=full_cache(), use_cache=True)
+    return extract_kv(out.cache, tgt.spec, torch.arange(len(prefix), len(prefix) + ids.numel()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2"])
+def test_run_layers_reproduces_forward(family: str) -> None:
+    m = tiny_model(family, 4)
+    ids = torch.randint(3, 300, (1, 12))
+    with torch.no_grad():
+        c1 = full_cache()
+        out = m.model(input_ids=ids, cache=c1, use_cache=True, output_hidden_states=True)
+        for start in (0, 2):
+            c2 = full_cache()
+            if start:  # lower layers hold nothing: only layers >= start are run and compared
+                h = run_layers(m.model, out.hidden_states[start], torch.arange(12)[None], c2, start)
+            else:
+                h = run_layers(m.model, m.model.get_input_embeddings()(ids), torch.arange(12)[None], c2, 0)
+            assert torch.equal(m.model.model.norm(h), out.hidden_states[-1])
+            for layer in range(start, 4):
+                assert torch.equal(c2.layers[layer].keys, c1.layers[layer].keys)
+                assert torch.equal(c2.layers[layer].values, c1.layers[layer].values)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_replay_full_depth_is_native_prefill(family: str) -> None:
+    src, tgt = tiny_model("qwen2", 3), tiny_model(family, 4)
+    tr = _translator(src, tgt)
+    out = tr.translate(_block(src), tgt, replay=tgt.spec.num_layers)
+    k_nat, v_nat = _native_chunk_kv(tgt, TEXT)
+    torch.testing.assert_close(out.keys, k_nat, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.values, v_nat, atol=1e-6, rtol=0)
+    assert tr.last_replay_ms > 0
+
+
+def test_replay_zero_is_plain_translate_and_partial_replay_keeps_lower_layers() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    tr = _translator(src, tgt, boundaries=(2,))
+    plain = tr.translate(_block(src), tgt)
+    again = tr.translate(_block(src), tgt, replay=0)
+    assert torch.equal(plain.keys, again.keys) and torch.equal(plain.values, again.values)
+    assert tr.replay_values == [0, 2, 4]
+    part = tr.translate(_block(src), tgt, replay=2)  # boundary layer 2: layers 2, 3 recomputed
+    assert torch.equal(part.keys[:2], plain.keys[:2]) and torch.equal(part.values[:2], plain.values[:2])
+    assert not torch.allclose(part.keys[2:], plain.keys[2:])
+    with pytest.raises(TranslatorError, match="supports replay in"):
+        tr.translate(_block(src), tgt, replay=1)
+    with pytest.raises(TranslatorError, match="two different"):
+        tr.translate(_block(src), tgt, replay=2, window=True)
+
+
+def test_window_layers_cover_about_thirty_percent() -> None:
+    assert window_layers(18) == [6, 7, 8, 9, 10]
+    assert window_layers(24) == [8, 9, 10, 11, 12, 13, 14]
+    assert window_layers(2) == [1]
+
+
+def test_mot_window_fed_native_kv_reproduces_native_prefill() -> None:
+    tgt = tiny_model("gemma3", 6)
+    prefix = PromptFormat.for_model(tgt).context_prefix_ids()
+    ids, _ = token_offsets(tgt.tokenizer, TEXT)
+    k_nat, v_nat = _native_chunk_kv(tgt, TEXT)
+    p, t = len(prefix), ids.numel()
+    positions = torch.arange(p, p + t)
+    with torch.no_grad():
+        cache = full_cache()
+        tgt.model(input_ids=torch.tensor([prefix]), cache=cache, use_cache=True)
+        window = window_layers(6)
+        from cagkv.models.rope import rotate
+
+        given = {l: (rotate(k_nat[l], positions, tgt.spec.rope[l])[None], v_nat[l][None]) for l in window}
+        with inject_kv(cache, given):
+            run_layers(tgt.model, tgt.model.get_input_embeddings()(ids[None]), positions[None], cache, 0)
+        assert "update" not in cache.__dict__  # the override is gone after the block
+    k, v = extract_kv(cache, tgt.spec, positions)
+    torch.testing.assert_close(k, k_nat, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v, v_nat, atol=1e-6, rtol=0)
+
+
+def test_mot_window_uses_translated_kv_in_its_window_only() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 6)
+    tr = _translator(src, tgt, boundaries=())
+    plain = tr.translate(_block(src), tgt)
+    win = tr.translate(_block(src), tgt, window=True)
+    layers = window_layers(6)
+    torch.testing.assert_close(win.keys[layers], plain.keys[layers], atol=1e-5, rtol=1e-5)
+    assert torch.equal(win.values[layers], plain.values[layers])
+    k_nat, _ = _native_chunk_kv(tgt, TEXT)
+    # below the window the target computed its own K/V from its own embeddings: native
+    torch.testing.assert_close(win.keys[: layers[0]], k_nat[: layers[0]], atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_ridge_fit_resumes_and_heads_predict_hidden_state(tmp_path: Path) -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2,
+                                                skip_rank=4, boundaries=[2], boundary_rank=8))
+    texts = CORPUS[:10]
+    whole = RidgeFit.new(cfg)
+    whole.add_texts(src, tgt, texts, stats_chunks=4)
+    split = RidgeFit.new(cfg)
+    split.add_texts(src, tgt, texts[:6], stats_chunks=4, save_to=tmp_path / "fit.pt")
+    resumed = RidgeFit.load(tmp_path / "fit.pt")
+    assert resumed.texts_done == 6
+    resumed.add_texts(src, tgt, texts, stats_chunks=4)
+    assert resumed.texts_done == whole.texts_done == 10 and resumed.tokens == whole.tokens
+    for a, b in zip(resumed.layers, whole.layers):
+        torch.testing.assert_close(a.xtx, b.xtx)
+        torch.testing.assert_close(a.xty, b.xty)
+    r2 = whole.r2(lam=1e-3)
+    assert all(0.0 < x <= 1.0 for x in r2["layers"]) and 0.0 < r2["boundaries"]["2"] <= 1.0
+    mot = whole.to_translator(lam=1e-3)
+    # the replay head's training error is no worse than predicting the mean hidden state
+    from cagkv.translate.ridge import chunk_arrays
+    from cagkv.translate.features import TargetSide
+
+    a = chunk_arrays(src, tgt, texts[0], [2], cfg.used_src)
+    emb = TargetSide(tgt.model).embed(a["ids"][None]).float()
+    with torch.no_grad():
+        pred = mot.boundary_hidden(a["src"][None], emb, 2)[0]
+    truth = a["hidden"][2]
+    head = mot.boundary["2"]
+    assert float(((pred - truth) ** 2).sum()) < float(((head.mean - truth) ** 2).sum())
