@@ -51,7 +51,10 @@ def context_of(text: str, tokenizer, n_tokens: int) -> str:
 
 
 def measure(engine, target: str, mode: str, document_id: str, top_k: int) -> dict[str, float]:
-    prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id])
+    """One answer's first-token timings; `mode` is an engine mode or `translate@R` (replay R)."""
+    mode, _, replay = mode.partition("@")
+    prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
+                              replay=int(replay) if replay else (0 if mode == "translate" else None))
     answer = engine.generate(prepared, max_new_tokens=1)
     split = {k: float(answer.timings_ms.get(k) or 0.0) for k in TTFT_KEYS}
     split["ttft"] = split["first_token"]  # the engine measures first_token from the question on
@@ -63,7 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--canonical", default="smollm2-135m")
     parser.add_argument("--target", default="gemma3-270m")
-    parser.add_argument("--modes", default="native,translate")
+    parser.add_argument("--modes", default="native,translate",
+                        help="engine modes, comma-separated; translate@R replays the top R target layers")
+    parser.add_argument("--translator", default=None, help="translator artifact folder (default: the installed one)")
     parser.add_argument("--lengths", default="512,1024,2048")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=256)
@@ -93,7 +98,12 @@ def main() -> None:
         doc_ids = [str(ingest_text(store, c, f"ttft:{n}", loaded=canonical,
                                    chunk_tokens=args.chunk_tokens).document_id)
                    for c, n in zip(contexts, lengths)]
-        engine = CAG(store, canonical=args.canonical, dtype=args.dtype)
+        finder = None
+        if args.translator:
+            from cagkv.translate import load_translator
+
+            finder = lambda src, tgt: load_translator(args.translator, src, tgt)  # noqa: E731
+        engine = CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
         for n, doc in zip(lengths, doc_ids):
             top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document
             samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}

@@ -8,6 +8,10 @@
         chunk_text -> prefill_chunks         chunks, canonical KV blocks, batch by batch
         store.add_document(...)              blobs, embeddings, catalog, index: one document
 
+A document is skipped as unchanged when its source is stored with the same text and the
+same chunking parameters (`chunking_params`); other parameters re-chunk it. The store
+records the canonical tokenizer's hash and refuses a model whose tokenizer differs.
+
 Every input is validated before anything is written, so a bad input (missing path,
 empty, binary, non-UTF-8 or oversized file) leaves the store unchanged. Blocks are
 streamed: the store serialises each batch before the next is prefilled, so memory holds
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import html.parser
+import json
 import os
 import sys
 import time
@@ -43,6 +48,8 @@ TEXT_SUFFIXES = {".txt", ".text", ".md", ".markdown", ".rst"}
 HTML_SUFFIXES = {".html", ".htm", ".xhtml"}
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES | HTML_SUFFIXES
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024  # per file; override with max_bytes / CAGKV_MAX_FILE_BYTES
+# Names `cagkv.chunking.chunk_text`'s algorithm; bump it when a change there moves chunk boundaries.
+CHUNKER = "sentences-v1"
 STDIN = "-"
 
 
@@ -144,11 +151,13 @@ def ingest(
     canonical = canonical or _existing_canonical(store_path, db_url) or DEFAULT_CANONICAL
     _check_store_canonical(store_path, db_url, canonical)
     loaded = load(canonical, dtype=torch_dtype)
+    from cagkv.models.fingerprint import tokenizer_hash
     from cagkv.stores import CacheStore
 
     cache_store = CacheStore.open(
-        store_path, db_url, canonical=canonical, fingerprint=loaded.fingerprint, embedder=embedder
-    )
+        store_path, db_url, canonical=canonical, fingerprint=loaded.fingerprint,
+        tokenizer_hash=tokenizer_hash(loaded.tokenizer), embedder=embedder,
+    )  # fmt: skip
     try:
         return ingest_sources(cache_store, loaded, sources, chunk_tokens, batch_size, progress)
     finally:
@@ -174,7 +183,7 @@ def ingest_sources(
     try:
         for source, size in zip(sources, sizes):
             text = read_document(source)
-            if store.has_document(source.name, text):
+            if store.has_document(source.name, text, chunking_params(chunk_tokens)):
                 report.skipped += 1
                 bar.update(size)
                 continue
@@ -220,13 +229,16 @@ def ingest_text(
     Args:
         store: an open CacheStore.
         text: the document text.
-        source: its identity (path / URI); same source + same text is a no-op.
+        source: its identity (path / URI); same source + same text + same chunking
+            (`chunking_params`) is a no-op.
         metadata: JSON-serialisable, kept in the catalog.
         chunks: pre-split chunk texts (e.g. LlamaIndex nodes), used as they are; their
             spans are found in `text` in order. None: chunk by canonical tokens.
         loaded: the canonical model (default: the store's canonical, loaded in `dtype`).
+            A store that recorded another canonical tokenizer is refused (StoreError).
     """
     from cagkv.chunking import TextChunk, chunk_text
+    from cagkv.models.fingerprint import tokenizer_hash
     from cagkv.prefill import prefill_chunks
     from cagkv.prompt import PromptFormat
 
@@ -236,6 +248,7 @@ def ingest_text(
         from cagkv.models import load
 
         loaded = load(getattr(store, "canonical", None) or DEFAULT_CANONICAL, dtype=parse_dtype(dtype))
+    store.check_tokenizer(tokenizer_hash(loaded.tokenizer), record=True)
     fmt = PromptFormat.for_model(loaded)
     if chunks is None:
         pieces = chunk_text(text, loaded.tokenizer, max_tokens=chunk_tokens)
@@ -259,10 +272,20 @@ def ingest_text(
                 on_progress(batch[-1].end / max(1, len(text)))
 
     before = (report.chunks, report.tokens, report.bytes)
-    result = store.add_document(source, text, metadata or {}, pairs())
+    chunking = chunking_params(chunk_tokens, chunks)
+    result = store.add_document(source, text, metadata or {}, pairs(), chunking=chunking)
     if result.status == "unchanged":  # nothing was written: undo the counts of a raced re-ingest
         report.chunks, report.tokens, report.bytes = before
     return result
+
+
+def chunking_params(chunk_tokens: int, chunks: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a document's chunks depend on besides its text and the tokenizer (recorded per
+    document): the chunker and its token budget, or a digest of pre-split chunk texts."""
+    if chunks is None:
+        return {"chunker": CHUNKER, "chunk_tokens": int(chunk_tokens)}
+    digest = hashlib.sha256(json.dumps(list(chunks), ensure_ascii=False).encode("utf-8")).hexdigest()
+    return {"chunker": "given", "chunks_sha256": digest}
 
 
 def _spans_of(text: str, chunks: Sequence[str], make: Any) -> list[Any]:

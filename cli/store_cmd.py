@@ -132,6 +132,8 @@ def ask_cmd(
     if not question.strip():
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype)
+    if mode not in ("native", "none"):  # these never read stored blocks
+        _check_canonical_tokenizer(cag)
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
@@ -148,6 +150,13 @@ def ask_cmd(
             return
         typer.echo(answer.text)
     typer.echo(format_details(answer), err=False)
+
+
+def _check_canonical_tokenizer(cag: Any) -> None:
+    """Stored blocks hold canonical token ids: refuse a canonical tokenizer the store did not record."""
+    from cagkv.models.fingerprint import tokenizer_hash
+
+    cag.store.check_tokenizer(tokenizer_hash(cag.model(cag.canonical).tokenizer))
 
 
 def format_details(answer: Any) -> str:
@@ -183,7 +192,7 @@ def ls_cmd(
     if as_json:
         _print_json({"documents": [
             {"id": d.id, "source": d.source, "chunks": d.chunks, "tokens": d.tokens, "bytes": d.nbytes,
-             "created": d.created, "metadata": d.metadata} for d in docs
+             "created": d.created, "metadata": d.metadata, "chunking": d.chunking} for d in docs
         ]})  # fmt: skip
         return
     typer.echo(f"{'ID':>5} {'CHUNKS':>6} {'TOKENS':>8} {'BYTES':>12}  SOURCE")

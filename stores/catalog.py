@@ -5,14 +5,19 @@ for shared deployments). Readers get a snapshot per `read()` block (SQLite: an e
 BEGIN; PostgreSQL: REPEATABLE READ), so a search never mixes two committed states.
 
 Tables:
-    documents  (id, source, source_hash unique, content_hash, metadata JSON, num_chars, created)
+    documents  (id, source, source_hash unique, content_hash, metadata JSON, num_chars, created,
+                chunking JSON: the parameters its chunks were made with; NULL before v2)
     chunks     (id never reused, document_id, ord, text, start_char, end_char,
                 token_count, blob_key, checksum, nbytes, embedding float32 bytes)
     models     (name, fingerprint, spec JSON)
     translators(id, source_fp, target_fp, path, card JSON, created)
     meta       (key, value JSON): schema_version, store_id (uuid), canonical,
-                canonical_fingerprint, embedder, embedding_dim, generation (bumped by
-                every write), and settings recorded by callers (e.g. chunking)
+                canonical_fingerprint, tokenizer_hash, embedder, embedding_dim, kv_layout,
+                generation (bumped by every write), and settings recorded by callers
+
+Schema versions: 1 (no documents.chunking), 2. Every version up to SCHEMA_VERSION is
+read; `Catalog.upgrade` migrates an older catalog (a writer calls it, under the store's
+write lock, before it needs the newer schema), so readers never write.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from sqlalchemy import (
     event,
     inspect,
     select,
+    text as sql_text,
 )
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from cagkv.errors import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class NoCatalogError(StoreError):
@@ -70,6 +76,10 @@ class Document(Base):
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     num_chars: Mapped[int] = mapped_column(BigInteger, default=0)
     created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # deferred: absent from a version 1 catalog, so only selected once the version says so
+    chunking: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON(none_as_null=True), nullable=True, deferred=True
+    )
 
 
 class Chunk(Base):
@@ -163,9 +173,10 @@ class Catalog:
         except BaseException:
             self.engine.dispose()
             raise
-        if version != SCHEMA_VERSION:
+        if version not in range(1, SCHEMA_VERSION + 1):
             raise StoreError(
-                f"catalog {redact(url)} has schema version {version!r}; this cagkv reads version {SCHEMA_VERSION}"
+                f"catalog {redact(url)} has schema version {version!r}; "
+                f"this cagkv reads versions 1 to {SCHEMA_VERSION}"
             )
 
     # ------------------------------------------------------------ sessions
@@ -202,6 +213,23 @@ class Catalog:
         else:
             row.value = value
 
+    def version(self, session: Session | None = None) -> int:
+        """The schema version as committed (another process may have upgraded it)."""
+        return int(self.get_meta("schema_version", session=session))
+
+    def upgrade(self) -> None:
+        """Migrate an older catalog to SCHEMA_VERSION in one transaction (a no-op when current).
+
+        Callers hold the store's write lock; the locked version row also serialises two
+        upgraders sharing one database.
+        """
+        with self.write() as s:
+            row = s.execute(select(Meta).where(Meta.key == "schema_version").with_for_update()).scalar_one()
+            for version in range(int(row.value), SCHEMA_VERSION):
+                for statement in _MIGRATIONS[version]:
+                    s.execute(sql_text(statement))
+                row.value = version + 1
+
     @staticmethod
     def bump_generation(session: Session) -> int:
         """Increment the write generation inside the caller's transaction; return the new value."""
@@ -211,6 +239,12 @@ class Catalog:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+# version -> the statements that migrate a catalog of that version to the next one
+_MIGRATIONS: dict[int, list[str]] = {
+    1: ["ALTER TABLE documents ADD COLUMN chunking JSON"],
+}
 
 
 def _make_engine(url: str) -> Engine:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import threading
 import time
@@ -39,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from cagkv.errors import CorruptBlobError, StoreError, UsageError
 from cagkv.kv import KVBlock
@@ -68,7 +69,7 @@ FAULT_POINTS = (
 
 _MANAGED_META = (
     "schema_version", "store_id", "generation", "canonical", "canonical_fingerprint",
-    "embedder", "embedding_dim", "kv_layout",
+    "tokenizer_hash", "embedder", "embedding_dim", "kv_layout",
 )  # fmt: skip
 
 
@@ -115,6 +116,7 @@ class DocumentInfo:
     tokens: int
     nbytes: int
     created: str
+    chunking: dict[str, Any] | None = None  # None: not recorded (added before schema version 2)
 
 
 @dataclass
@@ -144,6 +146,11 @@ class DoctorReport:
 def content_hash(text: str) -> str:
     """sha256 of the UTF-8 text: the document identity for idempotent ingest."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _normal_json(value: Any) -> Any:
+    """`value` as it reads back from a JSON column (tuples become lists), for comparisons."""
+    return None if value is None else json.loads(json.dumps(value))
 
 
 def blob_key(data: bytes) -> str:
@@ -189,6 +196,7 @@ class CacheStore:
         self._index_lock = threading.RLock()  # the in-memory FAISS index
         self._defer_index_save = 0
         self._meta_cache: dict[str, Any] = {}
+        self._schema_current = False
 
     # ================================================================ opening
     @classmethod
@@ -199,6 +207,7 @@ class CacheStore:
         canonical: str | None = None,
         *,
         fingerprint: str | None = None,
+        tokenizer_hash: str | None = None,
         embedder: str | Embedder | None = None,
         blob_url: str | None = None,
         create: bool = True,
@@ -212,6 +221,9 @@ class CacheStore:
             db_url: a SQLAlchemy URL for the catalog (default `sqlite:///<path>/catalog.db`).
             canonical, fingerprint: the canonical model; recorded on first use, and a
                 store made with another canonical model (or fingerprint) is refused.
+            tokenizer_hash: the canonical tokenizer's `cagkv.models.tokenizer_hash`; recorded
+                when the store has none (also a store made before it was recorded), and
+                another one is refused.
             embedder: an embedder name (`minilm-l6`, `hash-64`) or object; recorded at creation.
             blob_url: an fsspec URL for the blobs (default `<path>/blobs`).
             create: create a missing store (else StoreError).
@@ -242,16 +254,23 @@ class CacheStore:
         try:
             blobs = open_blob_store(blob_url or root / "blobs")
             store = cls(root, catalog, blobs, None, quantize, lock_timeout)
-            store._check_identity(canonical, fingerprint, embedder)
+            store._check_identity(canonical, fingerprint, embedder, tokenizer_hash)
         except BaseException:
             catalog.close()
             raise
         return store
 
-    def _check_identity(self, canonical: str | None, fingerprint: str | None, embedder: str | Embedder | None) -> None:
+    def _check_identity(
+        self,
+        canonical: str | None,
+        fingerprint: str | None,
+        embedder: str | Embedder | None,
+        tokenizer: str | None = None,
+    ) -> None:
         emb_name = embedder if isinstance(embedder, str) else getattr(embedder, "name", None)
+        keys = ("canonical", "canonical_fingerprint", "tokenizer_hash", "embedder")
         with self.catalog.read() as s:
-            meta = {k: self.catalog.get_meta(k, session=s) for k in ("canonical", "canonical_fingerprint", "embedder")}
+            meta = {k: self.catalog.get_meta(k, session=s) for k in keys}
         if canonical is not None and meta["canonical"] not in (None, canonical):
             raise StoreError(
                 f"store {self.path} was made with canonical model {meta['canonical']!r}, not {canonical!r}"
@@ -261,6 +280,8 @@ class CacheStore:
                 f"store {self.path} was made with canonical fingerprint {meta['canonical_fingerprint']}, "
                 f"not {fingerprint}: the model changed since ingest"
             )
+        if tokenizer is not None and meta["tokenizer_hash"] not in (None, tokenizer):
+            raise StoreError(self._tokenizer_mismatch(meta["tokenizer_hash"], tokenizer))
         if emb_name is not None and meta["embedder"] not in (None, emb_name):
             raise StoreError(f"store {self.path} uses embedder {meta['embedder']!r}, not {emb_name!r}")
         if embedder is not None and not isinstance(embedder, str):
@@ -270,6 +291,8 @@ class CacheStore:
             updates["canonical"] = canonical
         if meta["canonical_fingerprint"] is None and fingerprint is not None:
             updates["canonical_fingerprint"] = fingerprint
+        if meta["tokenizer_hash"] is None and tokenizer is not None:
+            updates["tokenizer_hash"] = tokenizer
         if meta["embedder"] is None:
             emb = self._embedder or make_embedder(emb_name or DEFAULT_EMBEDDER)
             self._embedder = emb
@@ -280,6 +303,23 @@ class CacheStore:
                 for k, v in updates.items():
                     if self.catalog.get_meta(k, session=s) is None:
                         self.catalog.set_meta(s, k, v)
+
+    def check_tokenizer(self, tokenizer_hash: str, record: bool = False) -> None:
+        """Refuse a canonical tokenizer other than the one recorded (StoreError naming both).
+
+        A store with none recorded passes; with `record` (writers: ingest) it is recorded.
+        """
+        recorded = self.catalog.get_meta("tokenizer_hash")
+        if recorded not in (None, tokenizer_hash):
+            raise StoreError(self._tokenizer_mismatch(recorded, tokenizer_hash))
+        if recorded is None and record:
+            self._check_identity(None, None, None, tokenizer_hash)
+
+    def _tokenizer_mismatch(self, recorded: str, given: str) -> str:
+        return (
+            f"store {self.path} was made with canonical tokenizer {recorded}, not {given}: "
+            "the tokenizer changed since ingest; re-ingest into a new store"
+        )
 
     # ================================================================ properties
     def _fixed_meta(self, key: str) -> Any:
@@ -302,6 +342,10 @@ class CacheStore:
     @property
     def canonical_fingerprint(self) -> str | None:
         return self._fixed_meta("canonical_fingerprint")
+
+    @property
+    def tokenizer_hash(self) -> str | None:
+        return self._fixed_meta("tokenizer_hash")
 
     @property
     def embedding_dim(self) -> int:
@@ -407,11 +451,21 @@ class CacheStore:
         _fault("after_index_save")
 
     # ================================================================ writing
-    def has_document(self, source: str, text: str) -> bool:
-        """True when `source` is stored with exactly this text (ingest would be skipped)."""
+    def has_document(self, source: str, text: str, chunking: dict[str, Any] | None = None) -> bool:
+        """True when `source` is stored with exactly this text and chunking (ingest would be skipped)."""
         with self.catalog.read() as s:
-            h = s.scalar(select(Document.content_hash).where(Document.source_hash == source_hash(source)))
-        return h == content_hash(text)
+            old = self._stored_key(s, source)
+        return old is not None and old[1:] == (content_hash(text), _normal_json(chunking))
+
+    def _stored_key(self, s: Session, source: str) -> tuple[int, str, dict[str, Any] | None] | None:
+        """(id, content hash, chunking) of `source` in snapshot `s`; chunking is None before schema v2."""
+        cols = [Document.id, Document.content_hash]
+        if self.catalog.version(s) >= 2:
+            cols.append(Document.chunking)
+        row = s.execute(select(*cols).where(Document.source_hash == source_hash(source))).first()
+        if row is None:
+            return None
+        return int(row[0]), row[1], row[2] if len(row) > 2 else None
 
     def add_document(
         self,
@@ -420,8 +474,9 @@ class CacheStore:
         metadata: dict[str, Any] | None,
         chunks: Iterable[tuple[TextChunkLike, KVBlock]],
         embeddings: np.ndarray | None = None,
+        chunking: dict[str, Any] | None = None,
     ) -> AddResult:
-        """Store one document's chunks atomically; idempotent by (source, content hash).
+        """Store one document's chunks atomically; idempotent by (source, content hash, chunking).
 
         Args:
             source: the document's identity (path or URI); a new text for a known source
@@ -432,6 +487,8 @@ class CacheStore:
                 a generator (each block is serialised and released before the next).
             embeddings: `[N, dim]` chunk embeddings; computed with the store's embedder
                 from the chunk texts when None.
+            chunking: JSON-serialisable parameters the chunks were made with (recorded with
+                the document); the same text with other parameters replaces its chunks.
         """
         check_text(source, "source", MAX_SOURCE_CHARS)
         if not source.strip():
@@ -439,13 +496,15 @@ class CacheStore:
         check_text(text, "document text", MAX_TEXT_CHARS)
         metadata = dict(metadata or {})
         check_json(metadata, "document metadata")
+        check_json(chunking, "chunking parameters")
+        chunking = _normal_json(chunking)
         chash = content_hash(text)
         with self._write_lock():
+            self._upgrade_schema()
             with self.catalog.read() as s:
-                q = select(Document.id, Document.content_hash).where(Document.source_hash == source_hash(source))
-                old = s.execute(q).first()
-            if old is not None and old.content_hash == chash:
-                return AddResult(int(old.id), "unchanged")
+                old = self._stored_key(s, source)
+            if old is not None and old[1:] == (chash, chunking):
+                return AddResult(old[0], "unchanged")
             canon_fp = self.canonical_fingerprint
             layout = self._fixed_meta("kv_layout")
             rows: list[dict[str, Any]] = []
@@ -474,7 +533,7 @@ class CacheStore:
                         self.catalog.set_meta(s, "kv_layout", layout)
                     doc = Document(
                         source=source, source_hash=source_hash(source), content_hash=chash,
-                        meta=metadata, num_chars=len(text), created=now(),
+                        meta=metadata, num_chars=len(text), created=now(), chunking=chunking,
                     )  # fmt: skip
                     s.add(doc)
                     s.flush()
@@ -500,6 +559,12 @@ class CacheStore:
             self._collect_blobs(old_keys - {r["blob_key"] for r in rows}, "mid_old_blob_delete")
         status = "replaced" if old is not None else "added"
         return AddResult(doc_id, status, len(rows), sum(r["token_count"] for r in rows), sum(r["nbytes"] for r in rows))
+
+    def _upgrade_schema(self) -> None:
+        """Under the write lock: migrate an older catalog once per handle (readers never do)."""
+        if not self._schema_current:
+            self.catalog.upgrade()
+            self._schema_current = True
 
     def _put_chunk(
         self, i: int, chunk: TextChunkLike, block: KVBlock, text: str, canon_fp: str | None
@@ -710,9 +775,13 @@ class CacheStore:
         if cond is not None:
             q = q.where(cond)
         with self.catalog.read() as s:
+            v2 = self.catalog.version(s) >= 2
+            if v2:
+                q = q.options(undefer(Document.chunking))
             return [
                 DocumentInfo(
-                    d.id, d.source, d.content_hash, dict(d.meta or {}), int(n), int(t), int(b), d.created.isoformat()
+                    d.id, d.source, d.content_hash, dict(d.meta or {}), int(n), int(t), int(b), d.created.isoformat(),
+                    d.chunking if v2 else None,
                 )
                 for d, n, t, b in s.execute(q)
             ]
@@ -736,8 +805,8 @@ class CacheStore:
                     func.coalesce(func.sum(Chunk.nbytes), 0),
                 )
             ).one()
-            keys = ("canonical", "canonical_fingerprint", "embedder", "embedding_dim", "generation",
-                    "schema_version", "store_id", "kv_layout", "chunking")  # fmt: skip
+            keys = ("canonical", "canonical_fingerprint", "tokenizer_hash", "embedder", "embedding_dim",
+                    "generation", "schema_version", "store_id", "kv_layout", "chunking")  # fmt: skip
             meta = {k: self.catalog.get_meta(k, session=s) for k in keys}
         return {
             "path": str(self.path),

@@ -5,7 +5,7 @@
 - `rope`: `RopeLayer`, `rotate`, `unrotate` (keys `[..., T, D]`, positions `[T]`).
 - `cache`: `extract_kv`, `build_cache`, `append_kv`, `full_cache`.
 - `loading`: `load(name_or_path, dtype) -> LoadedModel`.
-- `fingerprint`: `model_fingerprint`, `folder_fingerprint`.
+- `fingerprint`: `model_fingerprint`, `folder_fingerprint`, `tokenizer_hash`.
 
 Names are imported lazily so `import cagkv.models.zoo` (the CLI) does not import torch.
 """
@@ -23,7 +23,7 @@ _EXPORTS = {
     "unrotate_layers": "rope", "rope_layer_from_config": "rope",
     "extract_kv": "cache", "build_cache": "cache", "append_kv": "cache", "full_cache": "cache",
     "LoadedModel": "loading", "load": "loading", "clear_cache": "loading", "unload": "loading",
-    "model_fingerprint": "fingerprint", "folder_fingerprint": "fingerprint",
+    "model_fingerprint": "fingerprint", "folder_fingerprint": "fingerprint", "tokenizer_hash": "fingerprint",
 }
 
 __all__ = sorted(_EXPORTS)

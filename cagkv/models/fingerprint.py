@@ -5,12 +5,16 @@ name, dtype, shape and the sha256 of its bytes as stored. Runtime settings (dtyp
 model is loaded in, attention implementation, transformers version, paths) are left
 out, so the same checkpoint gets the same fingerprint on every machine. A tied
 `lm_head.weight` is skipped (it is the embedding).
+
+The tokenizer is not part of the fingerprint (translator cards record fingerprints);
+`tokenizer_hash` names it separately, and a store records both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -78,3 +82,53 @@ def folder_fingerprint(path: str | Path) -> str:
     handles = [safe_open(str(file), framework="pt") for file in files]
     where = {key: h for h in handles for key in h.keys()}
     return _fingerprint(config, list(where), lambda key: where[key].get_tensor(key))
+
+
+# Tokenized by `tokenizer_hash`: the ids capture normalizer / pre-tokenizer behaviour
+# (spaces, digits, case, unicode) without hashing their version-dependent serialisation.
+_PROBE = (
+    " Hello  world!\n\tThe year 1987: 3.14159, $42.00 & 100%.\n\nCAPS caps Ca-ps don't "
+    "naïve café Ångström ß 東京 😀 <b>x</b> {\"k\": [1, 2]}   end "
+)
+_TOKENIZER_HASHES: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """16 hex characters identifying how a tokenizer maps text to ids (cached per object).
+
+    Covers the vocabulary, BPE merges, added and special tokens, the chat template (it
+    makes the context prefix) and the ids of a fixed probe text. Serialisation details
+    that change with the `tokenizers` version (option fields, JSON layout) are left out.
+    """
+    try:
+        cached = _TOKENIZER_HASHES.get(tokenizer)
+    except TypeError:  # not weak-referenceable: computed every time
+        return _tokenizer_hash(tokenizer)
+    if cached is not None and cached[0] == len(tokenizer):  # another length: tokens were added
+        return cached[1]
+    digest = _tokenizer_hash(tokenizer)
+    _TOKENIZER_HASHES[tokenizer] = (len(tokenizer), digest)
+    return digest
+
+
+def _tokenizer_hash(tokenizer: Any) -> str:
+    added = [[i, str(t), bool(getattr(t, "special", False))] for i, t in tokenizer.added_tokens_decoder.items()]
+    state = {
+        "model": _tokenizer_model(tokenizer),
+        "added": sorted(added),
+        "special": tokenizer.special_tokens_map,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "probe": list(tokenizer.encode(_PROBE, add_special_tokens=False)),
+    }
+    return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _tokenizer_model(tokenizer: Any) -> dict[str, Any]:
+    """Type, vocabulary and merges of a fast tokenizer's model (the vocabulary of a slow one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return {"vocab": tokenizer.get_vocab()}
+    model = json.loads(backend.to_str()).get("model", {})
+    # merges are "a b" strings in older `tokenizers` releases, [a, b] pairs in newer ones
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    return {"type": model.get("type"), "vocab": model.get("vocab"), "merges": merges}

@@ -36,19 +36,41 @@ _FP32_BUFFERS = ("src_mean", "src_std", "tgt_mean", "tgt_std")
 _FP32_SUFFIXES = (".mean", ".std")  # replay heads' residual-stream statistics
 
 
-def save_artifact(path: str | Path, model: MoTTranslator, card: dict[str, Any], dtype: torch.dtype = torch.float16) -> Path:
-    """Write weights and card into folder `path` (created); returns the folder."""
+def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output column: `t [..., F, O]` -> (q int8, scale [..., 1, O] float32)."""
+    scale = t.float().abs().amax(dim=-2, keepdim=True).clamp(min=1e-12) / 127.0
+    q = torch.round(t.float() / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _int8_candidate(name: str, t: torch.Tensor) -> bool:
+    """The linear paths' big matrices (ridge maps and replay heads) go to int8 when asked."""
+    return t.is_floating_point() and t.dim() >= 2 and t.numel() >= 65536 and (
+        name.startswith(("skip_a", "skip_b")) or (name.startswith("boundary.") and name.endswith((".a", ".b"))))
+
+
+def save_artifact(path: str | Path, model: MoTTranslator, card: dict[str, Any], dtype: torch.dtype = torch.float16,
+                  int8_linear: bool = False) -> Path:
+    """Write weights and card into folder `path` (created); returns the folder.
+
+    `int8_linear`: store the linear paths' matrices as int8 with per-column float32 scales
+    (`NAME.q8`, `NAME.q8scale`), half the bytes of float16; loading de-quantises them.
+    """
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        if int8_linear and _int8_candidate(name, t):
+            state[f"{name}.q8"], state[f"{name}.q8scale"] = quantize_int8(t)
+            continue
         keep32 = name in _FP32_BUFFERS or name.endswith(_FP32_SUFFIXES) or not t.is_floating_point()
-        state[name] = t.detach().cpu().to(torch.float32 if keep32 else dtype).contiguous()
+        state[name] = t.to(torch.float32 if keep32 else dtype).contiguous()
     card = dict(card)
     card.update(format=FORMAT, version=VERSION, config=model.cfg.to_dict())
-    card["weights_dtype"] = str(dtype).replace("torch.", "")
+    card["weights_dtype"] = str(dtype).replace("torch.", "") + (" (linear paths int8, per-column scales)" if int8_linear else "")
     tmp = out / (WEIGHTS + ".tmp")
     save_file(state, str(tmp), metadata={"format": FORMAT})
     os.replace(tmp, out / WEIGHTS)
@@ -91,9 +113,10 @@ def load_translator(path: str | Path, source_fp: str | None = None, target_fp: s
     if not wfile.exists():
         raise TranslatorError(f"translator weights missing: {wfile}")
     try:
-        state = {k: v.float() for k, v in load_file(str(wfile)).items()}
+        raw = load_file(str(wfile))
     except Exception as e:  # noqa: BLE001 - truncated / not safetensors: safetensors raises several types
         raise TranslatorError(f"translator weights at {wfile} are unreadable: {str(e).splitlines()[0]}") from None
+    state = _dequantize(raw, wfile)
     expected = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} (config wants {tuple(expected[k].shape)})"
              for k, v in state.items() if k in expected and v.shape != expected[k].shape]  # fmt: skip
@@ -106,6 +129,22 @@ def load_translator(path: str | Path, source_fp: str | None = None, target_fp: s
     if bad:
         raise TranslatorError(f"translator weights at {wfile} hold NaN or Inf: {bad[:3]}")
     return Translator(model, card, path=str(path))
+
+
+def _dequantize(raw: dict[str, torch.Tensor], wfile: Path) -> dict[str, torch.Tensor]:
+    """float32 state dict from stored tensors (`NAME.q8` + `NAME.q8scale` pairs de-quantised)."""
+    state: dict[str, torch.Tensor] = {}
+    for k, v in raw.items():
+        if k.endswith(".q8scale"):
+            continue
+        if k.endswith(".q8"):
+            name, scale = k[: -len(".q8")], raw.get(k + "scale")
+            if scale is None or v.dtype != torch.int8 or scale.shape[-1] != v.shape[-1]:
+                raise TranslatorError(f"translator weights at {wfile}: {k} has no matching int8 scale")
+            state[name] = v.float() * scale.float()
+        else:
+            state[k] = v.float()
+    return state
 
 
 def translator_dirs() -> list[Path]:

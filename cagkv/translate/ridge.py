@@ -196,18 +196,33 @@ class RidgeFit:
             self.save(save_to)
 
     # ------------------------------------------------------------------ solve
-    def to_translator(self, lam: float = 30.0, lam_boundary: float | None = None) -> MoTTranslator:
-        """A translator whose linear path and replay heads hold the ridge solutions."""
+    def to_translator(self, lam: float = 30.0, lam_boundary: float | None = None,
+                      **overrides: Any) -> MoTTranslator:
+        """A translator whose linear path and replay heads hold the ridge solutions.
+
+        `overrides` change config fields that do not shape the fit (e.g. `skip_rank`,
+        `boundary_rank`, the mixture's `experts` / `d_model`); the mixture starts at zero.
+        """
         if not self.layers:
             raise ValueError("the fit has seen no text")
-        mot = MoTTranslator(self.cfg)
-        mot.load_state_dict(self.mot.state_dict())
+        fixed = ("src_layers", "src_kv_dim", "tgt_layers", "tgt_kv_heads", "tgt_head_dim", "tgt_embed_dim",
+                 "layer_map", "exact_layers", "tgt_k_norm", "boundaries", "tgt_hidden")
+        bad = sorted(set(overrides) & set(fixed))
+        if bad:
+            raise ValueError(f"these fields shape the fit and cannot be changed: {bad}")
+        cfg = MoTConfig.from_dict({**self.cfg.to_dict(), **overrides})
+        if cfg.skip_rank <= 0:
+            raise ValueError("the translator needs a linear path: skip_rank > 0")
+        mot = MoTTranslator(cfg)
+        stats = {k: v for k, v in self.mot.state_dict().items()
+                 if k in ("src_mean", "src_std", "tgt_mean", "tgt_std") or k.endswith((".mean", ".std"))}
+        mot.load_state_dict(stats, strict=False)
         ws = [n.solve(lam) for n in self.layers]
         mot.init_skip_from_ridge(ws, [n.xtx for n in self.layers])
         with torch.no_grad():
             for b, normal in self.heads.items():
                 a, bb, bias, _ = reduced_rank(normal.solve(lam if lam_boundary is None else lam_boundary), normal.xtx,
-                                              self.cfg.boundary_rank)
+                                              cfg.boundary_rank)
                 head = mot.boundary[str(b)]
                 head.a.zero_()
                 head.b.zero_()

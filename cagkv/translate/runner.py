@@ -83,6 +83,8 @@ def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any
         raise ValueError(f"corpora {cfg.corpora} gave no chunks of {cfg.ridge_chunk_chars} characters")
     path = out / "ridge_fit.pt"
     fit = RidgeFit.load(path) if path.exists() else RidgeFit.new(mot_cfg)
+    # fields that do not shape the fit (ranks, the mixture's size) may differ from the saved fit's
+    overrides = {k: v for k, v in mot_cfg.to_dict().items() if v != fit.cfg.to_dict().get(k)}
     if fit.texts_done:
         _say(f"ridge fit resumed at {fit.texts_done}/{len(texts)} chunks")
     t0 = time.time()
@@ -93,7 +95,7 @@ def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any
 
     fit.add_texts(source, target, texts, save_to=path, progress=prog, max_seconds=cfg.ridge_minutes * 60)
     t_solve = time.time()
-    mot = fit.to_translator(lam=cfg.ridge_lambda)
+    mot = fit.to_translator(lam=cfg.ridge_lambda, **overrides)
     info = {"texts": fit.texts_done, "texts_available": len(texts), "tokens": fit.tokens,
             "chunk_chars": cfg.ridge_chunk_chars, "held_out_documents_excluded": len(held_docs),
             "wall_s": round(fit.seconds + time.time() - t_solve, 1), "r2_in_sample": fit.r2(cfg.ridge_lambda)}
@@ -239,6 +241,6 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         "wall_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    save_artifact(out, mot, card)
+    save_artifact(out, mot, card, int8_linear=cfg.int8_linear)
     _say(f"artifact written to {out} ({(out / 'weights.safetensors').stat().st_size / 1e6:.1f} MB)")
     return out

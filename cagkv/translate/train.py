@@ -92,6 +92,7 @@ class TrainConfig:
     replay: list[int] = field(default_factory=list)  # replay heads, as replay counts r (0 < r < L)
     steps_boundary: int = 0  # Context Correction steps per replay head (0: heads stay closed-form)
     boundary_minutes: float = 0.0  # wall budget per replay head's stage (0: none)
+    int8_linear: bool = False  # store the linear paths' matrices as int8 (half the bytes of float16)
     boundary_rank: int = 128
 
     @classmethod

@@ -208,7 +208,7 @@ def test_ingest_is_idempotent_and_replaces_changed_files(tmp_path, models):
     store = cag.store
     before = store.stats()
     again = ingest([str(tmp_path / "doc0.txt"), str(tmp_path / "doc1.txt")], tmp_path / "store",
-                   dtype="float32", progress=False)  # fmt: skip
+                   chunk_tokens=24, dtype="float32", progress=False)  # fmt: skip
     assert again.documents == 0 and again.skipped == 2 and again.chunks == 0
     assert store.stats()["chunks"] == before["chunks"]
     (tmp_path / "doc0.txt").write_text("A different text. It has two sentences.")

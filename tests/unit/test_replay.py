@@ -172,3 +172,38 @@ def test_streaming_ridge_fit_resumes_and_heads_predict_hidden_state(tmp_path: Pa
     truth = a["hidden"][2]
     head = mot.boundary["2"]
     assert float(((pred - truth) ** 2).sum()) < float(((head.mean - truth) ** 2).sum())
+    small = whole.to_translator(lam=1e-3, experts=1, top_k=1, d_model=8, d_expert=8)
+    with torch.no_grad():
+        torch.testing.assert_close(small.boundary_hidden(a["src"][None], emb, 2)[0], pred)
+        assert torch.equal(small.src_mean, mot.src_mean) and torch.equal(small.tgt_std, mot.tgt_std)
+    with pytest.raises(ValueError, match="shape the fit"):
+        whole.to_translator(layer_map=[[0]] * 4)
+
+
+def test_int8_linear_artifact_round_trip(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from cagkv.translate import load_translator, save_artifact
+
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    torch.manual_seed(0)
+    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2,
+                                                skip_rank=128, boundaries=[2], boundary_rank=4))
+    mot = MoTTranslator(cfg)
+    with torch.no_grad():
+        for p in mot.parameters():
+            p.normal_(0, 0.1)
+    assert mot.skip_a.numel() >= 65536  # big enough to be stored as int8
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    out = save_artifact(tmp_path / "a", mot, card, int8_linear=True)
+    stored = load_file(str(out / "weights.safetensors"))
+    assert stored["skip_a.q8"].dtype == torch.int8 and "skip_a" not in stored
+    assert stored["head_w"].dtype == torch.float16  # the mixture stays float16
+    loaded = load_translator(out, src.fingerprint, tgt.fingerprint).model
+    step = mot.skip_a.abs().amax(dim=-2, keepdim=True) / 127  # one quantisation step per column
+    assert bool(((loaded.skip_a - mot.skip_a).abs() <= 0.5 * step + 1e-6).all())
+    ids = torch.randint(3, 300, (1, 9))
+    x, emb = torch.randn(1, 9, mot.src_mean.numel()), tgt.model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        a, b = mot(x, emb).y, loaded(x, emb).y
+    assert float((a - b).norm() / a.norm()) < 0.02

@@ -207,6 +207,90 @@ def test_other_canonical_or_fingerprint_refused(tmp_path: Path):
     assert s.canonical == "tiny" and s.embedder.name == "hash-64"
 
 
+def test_tokenizer_hash_recorded_and_another_refused(tmp_path: Path):
+    p = tmp_path / "s"
+    open_store(p, tokenizer_hash="tok-aaaa").close()
+    with pytest.raises(StoreError) as err:
+        open_store(p, tokenizer_hash="tok-bbbb")
+    message = str(err.value)
+    assert "tok-aaaa" in message and "tok-bbbb" in message and "\n" not in message
+    s = CacheStore.open(p, create=False)  # readers: checked on demand, never recorded
+    assert s.tokenizer_hash == "tok-aaaa" and s.stats()["tokenizer_hash"] == "tok-aaaa"
+    s.check_tokenizer("tok-aaaa")
+    with pytest.raises(StoreError, match="canonical tokenizer tok-aaaa, not tok-bbbb"):
+        s.check_tokenizer("tok-bbbb", record=True)
+    with pytest.raises(UsageError, match="managed"):
+        s.set_meta("tokenizer_hash", "tok-cccc")
+
+
+def test_store_without_tokenizer_hash_gets_it_recorded(tmp_path: Path):
+    """A store made before the tokenizer was recorded: read as before, recorded by the next writer."""
+    p = tmp_path / "s"
+    with open_store(p) as s:
+        ingest(s)
+    with CacheStore.open(p, create=False) as s:
+        assert s.tokenizer_hash is None
+        s.check_tokenizer("tok-aaaa")  # nothing recorded: passes, and a reader records nothing
+        assert s.get_meta("tokenizer_hash") is None and s.search("Colosseum", k=1)
+        s.check_tokenizer("tok-aaaa", record=True)
+    with pytest.raises(StoreError, match="tok-aaaa"):
+        open_store(p, tokenizer_hash="tok-bbbb")
+    with open_store(p, tokenizer_hash="tok-aaaa") as s:
+        assert s.tokenizer_hash == "tok-aaaa" and len(s.list_documents()) == 3
+
+
+def test_chunking_is_part_of_the_unchanged_key(store: CacheStore):
+    text = DOCS["paris.txt"]
+    a, b = {"chunker": "x", "chunk_tokens": 8}, {"chunker": "x", "chunk_tokens": 4}
+    first = store.add_document("paris.txt", text, {}, chunked(text, per=2), chunking=a)
+    assert first.status == "added" and first.chunks == 2
+    gen = store.stats()["generation"]
+    assert store.add_document("paris.txt", text, {}, chunked(text, per=2), chunking=dict(a)).status == "unchanged"
+    assert store.stats()["generation"] == gen and store.has_document("paris.txt", text, a)
+    assert not store.has_document("paris.txt", text, b) and not store.has_document("paris.txt", text)
+    again = store.add_document("paris.txt", text, {}, chunked(text, per=1), chunking=b)
+    assert again.status == "replaced" and again.chunks == 4
+    (doc,) = store.list_documents()
+    assert doc.chunking == b and doc.chunks == 4 and store.get_document("paris.txt").chunking == b
+    assert [h.ord for h in store.chunks_of("paris.txt")] == [0, 1, 2, 3]
+    with pytest.raises(UsageError, match="chunking"):
+        store.add_document("x.txt", text, {}, chunked(text), chunking={"bad": float("nan")})
+    assert store.add_document("paris.txt", text, {}, chunked(text)).status == "replaced"  # none recorded
+    assert store.get_document("paris.txt").chunking is None
+    assert store.doctor().ok
+
+
+def _as_schema_v1(store: CacheStore) -> None:
+    """Turn a store's catalog into what cagkv wrote before schema version 2."""
+    from sqlalchemy import text as sql
+
+    with store.catalog.write() as s:
+        s.execute(sql("ALTER TABLE documents DROP COLUMN chunking"))
+        store.catalog.set_meta(s, "schema_version", 1)
+        s.execute(sql("DELETE FROM meta WHERE key = 'tokenizer_hash'"))
+
+
+def test_schema_v1_store_is_read_as_is_and_upgraded_by_the_next_write(store: CacheStore):
+    ingest(store)
+    _as_schema_v1(store)
+    url, path = store.catalog.url, store.path
+    with CacheStore.open(path, url, create=False) as old:  # a reader: nothing written
+        assert {d.chunking for d in old.list_documents()} == {None} and len(old.list_documents()) == 3
+        assert old.has_document("rome.txt", DOCS["rome.txt"]) and old.search("Colosseum", k=1)
+        old.remove("tokyo.txt")  # writes that need no new column leave the version alone
+        assert old.get_meta("schema_version") == 1
+    with open_store(path, db_url=url) as s:
+        rome = DOCS["rome.txt"]
+        assert s.add_document("rome.txt", rome, {}, chunked(rome)).status == "unchanged"  # None == not recorded
+        assert s.get_meta("schema_version") == 2
+        params = {"chunker": "x", "chunk_tokens": 8}
+        assert s.add_document("rome.txt", rome, {}, chunked(rome), chunking=params).status == "replaced"
+        assert s.add_document("rome.txt", rome, {}, chunked(rome), chunking=params).status == "unchanged"
+        docs = {d.source: d.chunking for d in s.list_documents()}
+        assert docs == {"paris.txt": None, "rome.txt": params}
+        assert s.doctor().ok
+
+
 def test_block_of_another_model_refused(store: CacheStore):
     text = "A sentence from another model."
     with pytest.raises(StoreError, match="canonical model"):

@@ -19,6 +19,7 @@ from test_stores import (  # noqa: E402,F401  (collected again here, on PostgreS
     test_add_search_load_round_trip,
     test_bad_chunks_refused_and_store_unchanged,
     test_block_of_another_model_refused,
+    test_chunking_is_part_of_the_unchanged_key,
     test_doctor_checksum_edited_row,
     test_doctor_finds_and_repairs,
     test_doctor_stale_index_rebuilt,
@@ -30,6 +31,7 @@ from test_stores import (  # noqa: E402,F401  (collected again here, on PostgreS
     test_path_traversal_blob_key_in_row,
     test_remove_removes_rows_blobs_vectors,
     test_search_by_embedding_and_retrieve,
+    test_schema_v1_store_is_read_as_is_and_upgraded_by_the_next_write,
     test_search_restricted_to_documents,
     test_shared_blob_kept_until_last_reference,
 )
