@@ -4,6 +4,10 @@ Each mode is one point: x = mean TTFT (ms), y = recovery of the answer log-prob 
 the paired bootstrap 95 % interval as an error bar; `none` sits at 0 % and `native` at
 100 % by definition. Needs the `plots` extra (matplotlib).
 
+With `--ttft BENCH.json --length N` the x axis is the side-by-side median TTFT that
+`benchmarks/ttft.py` measured for the mode of the same name at N context tokens (modes
+measured alternately in one run, so their ratios are comparable), not the eval's mean.
+
 Example:
     python benchmarks/plot_results.py docs/results/squad_*.json --out docs/results/recovery_vs_ttft.png
 """
@@ -15,10 +19,12 @@ import json
 from pathlib import Path
 
 
-def points(report: dict, metric: str) -> list[tuple[str, float, float, float, float]]:
-    """(mode, ttft_ms, recovery %, lo %, hi %) per mode."""
+def points(report: dict, metric: str, ttft: dict[str, float] | None = None) -> list[tuple[str, float, float, float, float]]:
+    """(mode, ttft_ms, recovery %, lo %, hi %) per mode; x from `ttft` by mode name when given."""
     out = []
     for mode, m in report["modes"].items():
+        if ttft is not None and mode not in ttft:
+            continue
         if mode == "none":
             y = lo = hi = 0.0
         elif mode == "native":
@@ -31,7 +37,7 @@ def points(report: dict, metric: str) -> list[tuple[str, float, float, float, fl
             y = 100 * r[metric]
             lo = 100 * ci[0] if ci[0] is not None else y
             hi = 100 * ci[1] if ci[1] is not None else y
-        out.append((mode, m["ttft_ms"], y, lo, hi))
+        out.append((mode, m["ttft_ms"] if ttft is None else ttft[mode], y, lo, hi))
     return out
 
 
@@ -40,7 +46,13 @@ def main() -> None:
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--metric", default="answer_logprob", choices=["answer_logprob", "f1", "em"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ttft", type=Path, help="benchmarks/ttft.py JSON: x = its median TTFT per mode")
+    parser.add_argument("--length", type=int, help="context tokens of the --ttft rows to use")
     args = parser.parse_args()
+    ttft = None
+    if args.ttft:
+        bench = json.loads(args.ttft.read_text(encoding="utf-8"))
+        ttft = {r["mode"]: r["ttft"] for r in bench["rows"] if args.length is None or r["length"] == args.length}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,7 +62,7 @@ def main() -> None:
     for path in args.results:
         report = json.loads(path.read_text(encoding="utf-8"))
         pair = f"{report['canonical']} -> {report['target']} (n={report['n']})"
-        pts = points(report, args.metric)
+        pts = points(report, args.metric, ttft)
         xs = [p[1] for p in pts]
         ys = [p[2] for p in pts]
         err = [[p[2] - p[3] for p in pts], [p[4] - p[2] for p in pts]]
@@ -60,7 +72,8 @@ def main() -> None:
                         color=line[0].get_color())
     ax.axhline(0, color="grey", lw=0.5)
     ax.axhline(100, color="grey", lw=0.5, ls="--")
-    ax.set_xlabel("mean time to first token (ms, shared 2-core CPU, 1 thread)")
+    ax.set_xlabel("time to first token (ms, shared 2-core CPU, 1 thread)" +
+                  (f", side-by-side median at {args.length} context tokens" if ttft is not None else ", eval mean"))
     ax.set_ylabel(f"recovery of {args.metric} (%)")
     ax.set_title("Recovery vs time to first token per mode (SQuAD, oracle retrieval)", fontsize=10)
     ax.legend(fontsize=8)

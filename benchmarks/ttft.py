@@ -51,7 +51,9 @@ def context_of(text: str, tokenizer, n_tokens: int) -> str:
 
 
 def measure(engine, target: str, mode: str, document_id: str, top_k: int) -> dict[str, float]:
-    """One answer's first-token timings; `mode` is an engine mode or `translate@R` (replay R)."""
+    """One answer's first-token timings; `mode` is `[LABEL=]MODE[@R]`: an engine mode, with
+    replay R for translate (`r2=translate@2`); the label names the row."""
+    mode = mode.partition("=")[2] or mode
     mode, _, replay = mode.partition("@")
     prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
                               replay=int(replay) if replay else (0 if mode == "translate" else None))
@@ -67,7 +69,8 @@ def main() -> None:
     parser.add_argument("--canonical", default="smollm2-135m")
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--modes", default="native,translate",
-                        help="engine modes, comma-separated; translate@R replays the top R target layers")
+                        help="engine modes, comma-separated; translate@R replays the top R target layers; "
+                             "LABEL=MODE names the row (r2=translate@2)")
     parser.add_argument("--translator", default=None, help="translator artifact folder (default: the installed one)")
     parser.add_argument("--lengths", default="512,1024,2048")
     parser.add_argument("--repeats", type=int, default=3)
@@ -115,7 +118,7 @@ def main() -> None:
             for m in modes:
                 keys = samples[m][0].keys()
                 median = {k: statistics.median(s[k] for s in samples[m]) for k in keys}
-                rows.append({"length": n, "mode": m, **{k: round(v, 2) for k, v in median.items()}})
+                rows.append({"length": n, "mode": m.partition("=")[0], **{k: round(v, 2) for k, v in median.items()}})
                 print(json.dumps(rows[-1]), file=sys.stderr)
     native = {r["length"]: r["ttft"] for r in rows if r["mode"] == "native"}
     for r in rows:

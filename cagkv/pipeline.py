@@ -243,6 +243,8 @@ class CAG:
             raise UsageError(f"replay needs mode translate (mode {mode} ran)")
         if replay is None:  # the translator's measured default (0 where its card names none)
             replay = int(getattr(translator, "default_replay", 0) or 0) if mode == "translate" else 0
+        if mode in ("canonical", *TRANSLATED):
+            self._check_tokenizer()
         fmt = self.prompt_format(target_model)
         self._prefix_entry(target_model, fmt)  # computed once per model, before timing
         if mode != "none":
@@ -309,6 +311,15 @@ class CAG:
         from cagkv.models import load
 
         return load(name, dtype=self.dtype)
+
+    def _check_tokenizer(self) -> None:
+        """Stored blocks hold canonical token ids: refuse a canonical tokenizer the store did
+        not record (once per engine; StoreError naming both hashes)."""
+        if not getattr(self, "_tokenizer_checked", False) and hasattr(self.store, "check_tokenizer"):
+            from cagkv.models.fingerprint import tokenizer_hash
+
+            self.store.check_tokenizer(tokenizer_hash(self.model(self.canonical).tokenizer))
+            self._tokenizer_checked = True
 
     def _warm_embedder(self) -> None:
         """Load the store's embedder once (its first call loads a model)."""

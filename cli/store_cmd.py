@@ -131,9 +131,7 @@ def ask_cmd(
         raise UsageError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
     if not question.strip():
         raise UsageError("empty question: ask something")
-    cag = CAG.open(store, db, dtype=dtype)
-    if mode not in ("native", "none"):  # these never read stored blocks
-        _check_canonical_tokenizer(cag)
+    cag = CAG.open(store, db, dtype=dtype)  # the engine checks the canonical tokenizer before using stored blocks
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
@@ -150,13 +148,6 @@ def ask_cmd(
             return
         typer.echo(answer.text)
     typer.echo(format_details(answer), err=False)
-
-
-def _check_canonical_tokenizer(cag: Any) -> None:
-    """Stored blocks hold canonical token ids: refuse a canonical tokenizer the store did not record."""
-    from cagkv.models.fingerprint import tokenizer_hash
-
-    cag.store.check_tokenizer(tokenizer_hash(cag.model(cag.canonical).tokenizer))
 
 
 def format_details(answer: Any) -> str:
