@@ -28,6 +28,7 @@ def train_cmd(
     ridge_texts: int = typer.Option(0, "--ridge-texts", help="ridge: corpus chunks streamed (0: all)."),
     ridge_minutes: float = typer.Option(0.0, "--ridge-minutes", help="ridge: stop streaming after N minutes (0: none)."),
     replay: str = typer.Option("", "--replay", help="Replay heads to fit, as replay counts r (comma-separated, e.g. 2,4,6)."),
+    int8_linear: bool = typer.Option(False, "--int8-linear", help="Store the linear paths as int8 (half of float16)."),
     threads: int = typer.Option(1, "--threads", help="torch CPU threads."),
     seed: int = typer.Option(0, "--seed"),
     config: str = typer.Option(None, "--config", help="JSON file of further TrainConfig fields."),
@@ -57,7 +58,7 @@ def train_cmd(
         steps_regression=s_reg, steps_attention=s_att, steps_e2e=s_e2e,
         stage_minutes={"regression": m_reg, "attention": m_att, "e2e": m_e2e},
         init=init, skip_rank=skip_rank, method=method, ridge_texts=ridge_texts, ridge_minutes=ridge_minutes,
-        replay=replays,
+        replay=replays, int8_linear=int8_linear,
     )
     if corpus:
         fields["corpora"] = list(corpus)

@@ -101,6 +101,23 @@ def test_translation_is_document_specific(pair) -> None:
     assert right > wrong
 
 
+def test_replay_and_window_on_the_real_pair(pair) -> None:
+    """replay = L is Gemma's own prefill of the chunk; every shipped replay head and
+    mot-window give finite K/V that keep the answer document-specific."""
+    src, tgt, tr = pair
+    block, native = _block(src, DOC), _block(tgt, DOC)
+    full = tr.translate(block, tgt, replay=tgt.spec.num_layers)
+    torch.testing.assert_close(full.keys, native.keys, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(full.values, native.values, rtol=1e-4, atol=1e-4)
+    wrong = _answer_ll(tgt, tr.translate(_block(src, OTHER), tgt))
+    for r in [v for v in tr.replay_values if 0 < v < tgt.spec.num_layers]:
+        out = tr.translate(block, tgt, replay=r)
+        assert bool(torch.isfinite(out.keys).all() and torch.isfinite(out.values).all())
+        assert _answer_ll(tgt, out) > wrong, f"replay {r}"
+    window = tr.translate(block, tgt, window=True)
+    assert _answer_ll(tgt, window) > wrong
+
+
 def test_fingerprint_mismatch_refused(pair, real_model) -> None:
     src, tgt, tr = pair
     qwen = real_model("qwen2.5-0.5b")
