@@ -330,9 +330,32 @@ class MoTTranslator(nn.Module):
 
     def skip(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """The low-rank linear path `[B, Lt, T, 2kv]`."""
+        folded = getattr(self, "_skip_w", None)
+        if folded is not None and not self.training:  # one product: cheaper at high rank
+            y = torch.einsum("btlf,lfo->blto", self.skip_design(x, emb), folded)
+            return y + self.skip_bias[None, :, None, :]
         z = torch.einsum("btlf,lfr->btlr", self.skip_design(x, emb), self.skip_a)
         y = torch.einsum("btlr,lro->blto", z, self.skip_b)
         return y + self.skip_bias[None, :, None, :]
+
+    @torch.no_grad()
+    def fold_skip(self) -> bool:
+        """For inference: keep `skip_a @ skip_b` as one matrix per layer when that costs
+        fewer multiply-adds per token than the two factors (rank above F*O/(F+O)).
+        Cleared by `train()`. Returns whether it folded."""
+        if self.cfg.skip_rank <= 0:
+            return False
+        f, r, o = self.skip_a.shape[1], self.skip_a.shape[2], self.skip_b.shape[2]
+        if f * o >= r * (f + o):
+            self._skip_w = None
+            return False
+        self._skip_w = torch.bmm(self.skip_a, self.skip_b)  # [Lt, F, 2kv]
+        return True
+
+    def train(self, mode: bool = True) -> MoTTranslator:
+        if mode:
+            self._skip_w = None  # weights may change: drop the folded copy
+        return super().train(mode)
 
     @torch.no_grad()
     def init_skip_from_ridge(self, ridge_w: list[torch.Tensor], grams: list[torch.Tensor] | None = None) -> float:

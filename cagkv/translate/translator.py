@@ -114,6 +114,7 @@ class Translator:
 
     def __init__(self, model: MoTTranslator, card: dict[str, Any], path: str | None = None) -> None:
         self.model = model.eval()
+        self.model.fold_skip()
         self.card = card
         self.path = path  # artifact folder, when loaded from one
 

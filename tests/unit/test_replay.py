@@ -207,3 +207,22 @@ def test_int8_linear_artifact_round_trip(tmp_path: Path) -> None:
     with torch.no_grad():
         a, b = mot(x, emb).y, loaded(x, emb).y
     assert float((a - b).norm() / a.norm()) < 0.02
+
+
+def test_folded_linear_path_equals_the_factored_one() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2, skip_rank=128))
+    torch.manual_seed(0)
+    mot = MoTTranslator(cfg).eval()
+    with torch.no_grad():
+        for p in mot.parameters():
+            p.normal_(0, 0.1)
+        x, emb = torch.randn(2, 7, mot.src_mean.numel()), torch.randn(2, 7, cfg.tgt_embed_dim)
+        ref = mot(x, emb).y
+        assert mot.fold_skip()  # rank 128 > F*O/(F+O) for these sizes
+        torch.testing.assert_close(mot(x, emb).y, ref, rtol=1e-4, atol=1e-5)
+    mot.train()
+    assert mot._skip_w is None  # training drops the folded copy
+    low = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1,
+                                                              group_size=2, skip_rank=2)))
+    assert not low.fold_skip()  # low rank: the two factors are cheaper
