@@ -151,6 +151,13 @@ def reduced_rank(
     return a.float(), b.float(), bias.float(), energy
 
 
+def gather_blocks(x: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
+    """`x.index_select(-1, cols)` for `cols` made of whole aligned blocks of `width` columns
+    (one per source layer's K|V), gathered as blocks: far fewer strided reads."""
+    blocks = cols.view(-1, width)[:, 0] // width
+    return x.unflatten(-1, (-1, width)).index_select(-2, blocks).flatten(-2)
+
+
 def boundary_source_layers(cfg: MoTConfig, layer: int) -> list[int]:
     """Source layers read by the replay head of `layer`: those mapped to layers layer-1 and layer."""
     used = set(cfg.used_src)
@@ -167,6 +174,7 @@ class BoundaryHead(nn.Module):
         feat = 2 * cfg.src_kv_dim
         cols = torch.cat([torch.arange(pos[s] * feat, (pos[s] + 1) * feat) for s in boundary_source_layers(cfg, layer)])
         self.register_buffer("cols", cols, persistent=False)
+        self.width = feat
         f_in = cols.numel() + cfg.tgt_embed_dim
         self.a = nn.Parameter(torch.zeros(f_in, cfg.boundary_rank))
         self.b = nn.Parameter(torch.zeros(cfg.boundary_rank, cfg.tgt_hidden))
@@ -177,7 +185,7 @@ class BoundaryHead(nn.Module):
     def design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """`[B, T, F_b + E]` inputs from normalised source features `x` and raw embeddings."""
         e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return torch.cat([x.index_select(-1, self.cols), e], -1)
+        return torch.cat([gather_blocks(x, self.cols, self.width), e], -1)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         y = self.design(x, emb) @ self.a @ self.b + self.bias  # normalised units
@@ -283,7 +291,7 @@ class MoTTranslator(nn.Module):
         e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
         hs = []
         for g in range(len(cfg.groups)):
-            h = self.in_proj[g](x.index_select(-1, getattr(self, f"cols_{g}"))) + e
+            h = self.in_proj[g](gather_blocks(x, getattr(self, f"cols_{g}"), 2 * cfg.src_kv_dim)) + e
             hs.append(self.mix[g](h))
         h = torch.stack(hs)  # [G, B, T, d]
         n_groups, n_exp, k = h.shape[0], cfg.experts, cfg.top_k
@@ -324,7 +332,7 @@ class MoTTranslator(nn.Module):
         """Inputs of the linear path: `[B, T, Lt, F]` (normalised source features | embedding)."""
         b, t, _ = x.shape
         n_tr = self.skip_cols.shape[0]
-        xs = x.index_select(-1, self.skip_cols.reshape(-1)).reshape(b, t, n_tr, -1)  # [B, T, Lt, n_map*feat]
+        xs = gather_blocks(x, self.skip_cols.reshape(-1), 2 * self.cfg.src_kv_dim).reshape(b, t, n_tr, -1)  # [B, T, Lt, n_map*feat]
         e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)  # [B, T, E]
         return torch.cat([xs, e[:, :, None, :].expand(b, t, n_tr, e.shape[-1])], -1)
 

@@ -71,8 +71,8 @@ def prepare_inputs(
     pooled, ids_list, offs, lengths = [], [], [], []
     for (k, v, s_off), (t_ids, t_off) in zip(src_blocks, tgt_tokens):
         feats = source_features(k, v, used)  # [S, F]
-        w = align_tokens(s_off, t_off)  # [T, S]
-        pooled.append(w @ feats)  # [T, F]
+        w = align_tokens(s_off, t_off)  # [T, S], 1-3 non-zeros per row: a sparse product
+        pooled.append(torch.sparse.mm(w.to_sparse(), feats))  # [T, F]
         ids_list.append(t_ids)
         offs.append(t_off)
         lengths.append(int(t_ids.shape[0]))
