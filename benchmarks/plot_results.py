@@ -72,8 +72,8 @@ def main() -> None:
                         color=line[0].get_color())
     ax.axhline(0, color="grey", lw=0.5)
     ax.axhline(100, color="grey", lw=0.5, ls="--")
-    ax.set_xlabel("time to first token (ms, shared 2-core CPU, 1 thread)" +
-                  (f", side-by-side median at {args.length} context tokens" if ttft is not None else ", eval mean"))
+    ax.set_xlabel("time to first token, ms (2-core CPU, 1 thread; " +
+                  (f"side-by-side median, {args.length} tokens)" if ttft is not None else "eval mean)"))
     ax.set_ylabel(f"recovery of {args.metric} (%)")
     ax.set_title("Recovery vs time to first token per mode (SQuAD, oracle retrieval)", fontsize=10)
     ax.legend(fontsize=8)
