@@ -11,7 +11,6 @@ data of `cagkv train` (default: the staged run's, under $CAGKV_HOME/pairs).
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -19,6 +18,7 @@ from cagkv.models import load
 from cagkv.translate import load_translator
 from cagkv.translate.artifact import save_artifact
 from cagkv.translate.pairs import PairSet
+from cagkv.translate.runner import train_replay_heads
 from cagkv.translate.train import Trainer, TrainConfig
 
 torch.set_num_threads(2)
@@ -29,22 +29,14 @@ src, tgt = load("smollm2-135m"), load("gemma3-270m")
 tr = load_translator("cagkv/translators/smollm2-135m__gemma3-270m", src.fingerprint, tgt.fingerprint)
 mot = tr.model
 mot.train()
-cfg = TrainConfig(eval_samples=10, e2e_accum=2, kl_positions=16, log_every=10, seed=0)
+cfg = TrainConfig(eval_samples=10, e2e_accum=2, kl_positions=16, log_every=10, seed=0,
+                  steps_boundary=10000, boundary_minutes=minutes, lr_e2e=lr)
 trainer = Trainer(src, tgt, PairSet(base + "/train"), PairSet(base + "/heldout"), cfg, mot=mot,
                   log=lambda rec: print(json.dumps(rec), flush=True))
-b = tgt.spec.num_layers - r
-trainer.replay = r
-before = trainer.evaluate()
-trainer.replay = 0
+before = trainer.evaluate(replay=r)
 print("before", r, before["answer_ll_recovery"], before["continuation_kl"], flush=True)
-opt = torch.optim.Adam(mot.boundary[str(b)].parameters(), lr=lr)
-cfg.stage_minutes = {f"boundary_r{r}": minutes}
-trainer.begin_stage(f"boundary_r{r}")
-t0 = time.time()
-trainer.stage_boundary(r, 10000, opt)
-print("steps", trainer.steps_done, "s", round(time.time() - t0), flush=True)
-trainer.replay = r
-after = trainer.evaluate()
-trainer.replay = 0
+state: dict = {"stages": []}
+after = train_replay_heads(trainer, cfg, state, replays=[r])[str(r)]
+print("stage", json.dumps(state["stages"]), flush=True)
 print("after", r, after["answer_ll_recovery"], after["continuation_kl"], flush=True)
 save_artifact(out, mot, dict(tr.card), int8_linear=True)

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,6 +58,7 @@ def extract_kv(
     batch_index: int = 0,
     start: int | None = None,
     dtype: torch.dtype | None = None,
+    layers: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-free (K, V), each `[L, H, T, D]`, of T consecutive cache entries.
 
@@ -68,13 +70,14 @@ def extract_kv(
     start: absolute index (0 = the first token the cache saw) of the first entry to take;
     default: the last T entries. Raises ValueError when a sliding layer no longer holds
     them (prefill with `full_cache()` to keep every token).
+    layers: only these layers, in this order (default: all); the result has len(layers) rows.
     """
     positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     T = positions.numel()
     if len(cache.layers) != spec.num_layers:
         raise ValueError(f"cache has {len(cache.layers)} layers, the spec {spec.num_layers}")
     ks, vs = [], []
-    for i in range(spec.num_layers):
+    for i in range(spec.num_layers) if layers is None else layers:
         first, total = layer_span(cache, i)
         begin = total - T if start is None else start
         local = begin - first

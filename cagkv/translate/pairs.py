@@ -39,7 +39,7 @@ from cagkv.translate.corpus import Sample
 if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
-__all__ = ["build_pairs", "PairSet", "continuation_ids"]
+__all__ = ["build_pairs", "PairSet", "continuation_ids", "prefill_kv"]
 
 
 def continuation_ids(fmt: PromptFormat, kind: str, question: str, answer: str) -> tuple[list[int], int]:
@@ -55,7 +55,8 @@ def continuation_ids(fmt: PromptFormat, kind: str, question: str, answer: str) -
 
 
 @torch.no_grad()
-def _prefill_kv(loaded: LoadedModel, prefix: list[int], chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_kv(loaded: LoadedModel, prefix: list[int], chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position-free K, V `[L, H, T, D]` of `chunk` prefilled after `prefix` (as at ingest)."""
     ids = torch.tensor([prefix + chunk])
     out = loaded.model(input_ids=ids, cache=full_cache(), use_cache=True)
     pos = torch.arange(len(prefix), len(prefix) + len(chunk))
@@ -106,7 +107,7 @@ def build_pairs(
     sfmt, tfmt = PromptFormat.for_model(source), PromptFormat.for_model(target)
     s_prefix, t_prefix = sfmt.context_prefix_ids(), tfmt.context_prefix_ids()
     # the target's own prefix, position-free (computed natively at ask time too)
-    pk, pv = _prefill_kv(target, [], t_prefix)
+    pk, pv = prefill_kv(target, [], t_prefix)
     save_file({"ids": torch.tensor(t_prefix), "k": pk.contiguous(), "v": pv.contiguous()}, str(out / "prefix.safetensors"))
     index = {
         "source": {"name": source.name, "fingerprint": source.fingerprint},
@@ -124,8 +125,8 @@ def build_pairs(
             text = sample.text  # a stored block covers exactly the chunk text
             s_ids, s_off = token_offsets(source.tokenizer, text)
             t_ids, t_off = token_offsets(target.tokenizer, text)
-            sk, sv = _prefill_kv(source, s_prefix, s_ids.tolist())
-            tk, tv = _prefill_kv(target, t_prefix, t_ids.tolist())
+            sk, sv = prefill_kv(source, s_prefix, s_ids.tolist())
+            tk, tv = prefill_kv(target, t_prefix, t_ids.tolist())
             T = t_ids.numel()
             rec: dict[str, torch.Tensor] = {
                 "src_k": sk.half(), "src_v": sv.half(), "src_off": s_off,

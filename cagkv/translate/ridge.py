@@ -35,6 +35,7 @@ import torch
 from cagkv.align import align_tokens, token_offsets
 from cagkv.models.cache import extract_kv, full_cache
 from cagkv.prompt import PromptFormat
+from cagkv.translate.pairs import prefill_kv
 from cagkv.translate.features import TargetSide, running_stats, source_features
 from cagkv.translate.mot import MoTConfig, MoTTranslator, reduced_rank
 
@@ -46,14 +47,13 @@ __all__ = ["RidgeFit", "chunk_arrays"]
 
 @torch.no_grad()
 def chunk_arrays(source: LoadedModel, target: LoadedModel, text: str, boundaries: list[int],
-                 src_used: list[int]) -> dict[str, Any]:
-    """One chunk's paired arrays on the target's token grid (see module doc)."""
-    s_prefix = PromptFormat.for_model(source).context_prefix_ids()
-    t_prefix = PromptFormat.for_model(target).context_prefix_ids()
+                 src_used: list[int], prefixes: tuple[list[int], list[int]] | None = None) -> dict[str, Any]:
+    """One chunk's paired arrays on the target's token grid (see module doc). `prefixes`:
+    the source's and target's context-prefix ids (computed here when None)."""
+    s_prefix, t_prefix = prefixes or context_prefixes(source, target)
     s_ids, s_off = token_offsets(source.tokenizer, text)
     t_ids, t_off = token_offsets(target.tokenizer, text)
-    s_out = source.model(input_ids=torch.tensor([s_prefix + s_ids.tolist()]), cache=full_cache(), use_cache=True)
-    sk, sv = extract_kv(s_out.cache, source.spec, torch.arange(len(s_prefix), len(s_prefix) + s_ids.numel()))
+    sk, sv = prefill_kv(source, s_prefix, s_ids.tolist())
     t_out = target.model(input_ids=torch.tensor([t_prefix + t_ids.tolist()]), cache=full_cache(), use_cache=True,
                          output_hidden_states=bool(boundaries), logits_to_keep=1)
     P, T = len(t_prefix), t_ids.numel()
@@ -61,6 +61,11 @@ def chunk_arrays(source: LoadedModel, target: LoadedModel, text: str, boundaries
     src = align_tokens(s_off, t_off) @ source_features(sk, sv, src_used)  # [T, F]
     hidden = {b: t_out.hidden_states[b][0, P:].float() for b in boundaries}  # entering layer b
     return {"ids": t_ids, "src": src.float(), "tk": tk.float(), "tv": tv.float(), "hidden": hidden}
+
+
+def context_prefixes(source: LoadedModel, target: LoadedModel) -> tuple[list[int], list[int]]:
+    """The context-prefix ids of both models (chunks are prefilled after them, as at ingest)."""
+    return PromptFormat.for_model(source).context_prefix_ids(), PromptFormat.for_model(target).context_prefix_ids()
 
 
 @dataclass
@@ -167,8 +172,9 @@ class RidgeFit:
         seconds0 = self.seconds
         pending: list[dict[str, Any]] = []
         used = self.cfg.used_src
+        prefixes = context_prefixes(source, target)
         for i in range(self.texts_done, len(texts)):
-            a = chunk_arrays(source, target, texts[i], self.cfg.boundaries, used)
+            a = chunk_arrays(source, target, texts[i], self.cfg.boundaries, used, prefixes)
             if not self.has_stats:
                 pending.append(a)
                 if len(pending) < min(stats_chunks, len(texts)):

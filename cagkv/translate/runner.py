@@ -103,13 +103,16 @@ def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any
     return mot, info
 
 
-def train_replay_heads(trainer: Trainer, cfg: TrainConfig, state: dict[str, Any]) -> dict[str, Any]:
-    """Per replay head: optional Context Correction stage (gradients into that head only),
-    then held-out metrics with that replay. Returns {r: metrics}."""
+def train_replay_heads(trainer: Trainer, cfg: TrainConfig, state: dict[str, Any],
+                       replays: list[int] | None = None) -> dict[str, Any]:
+    """Per replay head (all, or those of `replays`): optional Context Correction stage
+    (gradients into that head only), then held-out metrics with that replay. Returns {r: metrics}."""
     mot, out = trainer.mot, {}
     n_layers = mot.cfg.tgt_layers
     for b in sorted(mot.cfg.boundaries, reverse=True):
         r = n_layers - b
+        if replays is not None and r not in replays:
+            continue
         if cfg.steps_boundary > 0:
             stage = f"boundary_r{r}"
             opt = torch.optim.Adam(mot.boundary[str(b)].parameters(), lr=cfg.lr_e2e)
@@ -120,11 +123,7 @@ def train_replay_heads(trainer: Trainer, cfg: TrainConfig, state: dict[str, Any]
             trainer.stage_boundary(r, cfg.steps_boundary, opt)
             state["stages"].append({"name": stage, "steps": trainer.steps_done, "planned_steps": cfg.steps_boundary,
                                     "wall_s": round(time.time() - t0, 1)})
-        trainer.replay = r
-        try:
-            out[str(r)] = trainer.evaluate()
-        finally:
-            trainer.replay = 0
+        out[str(r)] = trainer.evaluate(replay=r)
         _say(f"replay {r} (boundary layer {b}): held-out answer_ll_recovery {out[str(r)]['answer_ll_recovery']}")
     return out
 

@@ -196,8 +196,8 @@ class Trainer:
     def replay_kv(self, bt: dict[str, torch.Tensor], emb: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace layers L-r.. of each chunk by the target's recomputation (differentiable)."""
+        from cagkv.models.cache import extract_kv
         from cagkv.models.layers import run_layers
-        from cagkv.models.rope import unrotate
 
         spec, n_layers = self.target.spec, self.mot.cfg.tgt_layers
         start = n_layers - self.replay
@@ -209,15 +209,10 @@ class Trainer:
             x = emb[i : i + 1, :n] if start == 0 else self.mot.boundary_hidden(bt["src"][i : i + 1, :n], emb[i : i + 1, :n], start)
             positions = torch.arange(self.P, self.P + n)
             run_layers(self.target.model, x.to(dtype), positions[None], cache, start)
-            ks, vs = list(keys[i].unbind(0)), list(values[i].unbind(0))  # per layer [H, T, D]
-            for l in range(start, n_layers):
-                k_new = unrotate(cache.layers[l].keys[0, :, -n:].float(), positions, spec.rope[l])
-                v_new = cache.layers[l].values[0, :, -n:].float()
-                pad = ks[l].shape[1] - n
-                ks[l] = torch.cat([k_new, ks[l][:, n:]], 1) if pad else k_new
-                vs[l] = torch.cat([v_new, vs[l][:, n:]], 1) if pad else v_new
-            out_k.append(torch.stack(ks))
-            out_v.append(torch.stack(vs))
+            k_new, v_new = extract_kv(cache, spec, positions, dtype=torch.float32, layers=range(start, n_layers))
+            # recomputed layers over the real tokens, the batch's padding kept as it was
+            out_k.append(torch.cat([keys[i, :start], torch.cat([k_new, keys[i, start:, :, n:]], 2)], 0))
+            out_v.append(torch.cat([values[i, :start], torch.cat([v_new, values[i, start:, :, n:]], 2)], 0))
         return torch.stack(out_k), torch.stack(out_v)
 
     def regression_loss(self, keys: torch.Tensor, values: torch.Tensor, bt: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -350,8 +345,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, pairs: PairSet | None = None, limit: int | None = None) -> dict[str, Any]:
-        """Held-out metrics (see module doc). Recovery = (translated - none) / (native - none)."""
+    def evaluate(self, pairs: PairSet | None = None, limit: int | None = None, replay: int = 0) -> dict[str, Any]:
+        """Held-out metrics (see module doc). Recovery = (translated - none) / (native - none).
+        `replay`: evaluate with the target recomputing its top `replay` layers (replay heads)."""
+        previous, self.replay = self.replay, replay
+        try:
+            return self._evaluate(pairs, limit)
+        finally:
+            self.replay = previous
+
+    def _evaluate(self, pairs: PairSet | None, limit: int | None) -> dict[str, Any]:
         pairs = pairs or self.heldout
         self.mot.eval()
         cfg = self.mot.cfg

@@ -116,6 +116,8 @@ class Translator:
         self.model = model.eval()
         self.model.fold_skip()
         self.card = card
+        self.last_replay_ms = 0.0  # time of the last call's replay / window recomputation
+        self._prefixes: dict[tuple[str, str], tuple[Any, int]] = {}  # target's own prefix cache
         self.path = path  # artifact folder, when loaded from one
 
     @property
@@ -205,7 +207,7 @@ class Translator:
                     hidden = (emb[i : i + 1, :n] if start == 0 else
                               self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start)).to(dtype)
                 k_new, v_new = self._recompute(target, hidden, start, keys[i, :, :, :n], values[i, :, :, :n], inject)
-                keys[i, start:, :, :n], values[i, start:, :, :n] = k_new[start:], v_new[start:]
+                keys[i, start:, :, :n], values[i, start:, :, :n] = k_new, v_new
             self.last_replay_ms = (time.perf_counter() - t0) * 1000
         result = []
         for i, block in enumerate(blocks):
@@ -229,20 +231,19 @@ class Translator:
         from cagkv.prompt import PromptFormat
 
         key = (target.fingerprint, str(target.dtype))
-        cached = getattr(self, "_prefixes", {})
-        if key not in cached:
+        if key not in self._prefixes:
             ids = PromptFormat.for_model(target).context_prefix_ids()
             cache = full_cache()
             if ids:
                 target.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
-            cached[key] = (cache, len(ids))
-            self._prefixes = cached
-        return cached[key]
+            self._prefixes[key] = (cache, len(ids))
+        return self._prefixes[key]
 
     def _recompute(self, target: LoadedModel, hidden: torch.Tensor, start: int, keys: torch.Tensor,
                    values: torch.Tensor, inject: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the target's layers start.. over one chunk after its prefix; `inject` layers
-        attend over (and keep) the translated K/V given. Returns position-free K, V `[L, H, T, D]`."""
+        attend over (and keep) the translated K/V given. Returns the position-free K, V
+        `[L - start, H, T, D]` of the recomputed layers."""
         from cagkv.models.cache import extract_kv
         from cagkv.models.layers import inject_kv, run_layers
         from cagkv.models.rope import rotate
@@ -255,10 +256,9 @@ class Translator:
                  for l in inject}
         with inject_kv(cache, given):
             run_layers(target.model, hidden, positions[None], cache, start)
-        k_all, v_all = keys.clone(), values.clone()
-        k_new, v_new = _extract_layers(cache, target, positions, range(start, target.spec.num_layers))
-        k_all[start:], v_all[start:] = k_new.to(keys.dtype), v_new.to(values.dtype)
-        return k_all, v_all
+        k_new, v_new = extract_kv(cache, target.spec, positions, dtype=torch.float32,
+                                  layers=range(start, target.spec.num_layers))
+        return k_new.to(keys.dtype), v_new.to(values.dtype)
 
     def check_models(self, blocks: Sequence[KVBlock], target: LoadedModel) -> None:
         """Refuse blocks or a target whose fingerprint differs from the card's."""
@@ -272,15 +272,3 @@ class Translator:
                     f"translator is for source model {self.source_fingerprint}, block was made by {b.model_fingerprint}"
                 )
 
-
-def _extract_layers(cache: Any, target: LoadedModel, positions: torch.Tensor, layers: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position-free K, V `[len(layers), H, T, D]` of the last T entries of the given layers."""
-    from cagkv.models.rope import unrotate
-
-    t = positions.numel()
-    ks, vs = [], []
-    for l in layers:
-        lay = cache.layers[l]
-        ks.append(unrotate(lay.keys[0, :, -t:], positions, target.spec.rope[l], out_dtype=torch.float32))
-        vs.append(lay.values[0, :, -t:])
-    return torch.stack(ks), torch.stack(vs)

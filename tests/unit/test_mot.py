@@ -10,11 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from translate_fixtures import FAMILIES, tiny_model  # noqa: E402
+from translate_fixtures import chunk_block, FAMILIES, tiny_model  # noqa: E402
 
 from cagkv.errors import TranslatorError  # noqa: E402
-from cagkv.kv import KVBlock  # noqa: E402
-from cagkv.models.cache import extract_kv, full_cache  # noqa: E402
 from cagkv.translate import Translator, find_translator, list_translators, load_translator, save_artifact  # noqa: E402
 from cagkv.translate.features import TargetSide  # noqa: E402
 from cagkv.translate.layermap import layer_groups, layer_map  # noqa: E402
@@ -23,14 +21,6 @@ from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
 from cagkv.align import token_offsets  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. Naïve café owners in Zürich sell crème brûlée."
-
-
-def _block(loaded, text: str = TEXT) -> KVBlock:
-    ids, offs = token_offsets(loaded.tokenizer, text)
-    with torch.no_grad():
-        out = loaded.model(input_ids=ids[None], cache=full_cache(), use_cache=True)
-    k, v = extract_kv(out.cache, loaded.spec, torch.arange(ids.numel()))
-    return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
 
 
 def _translator(src, tgt, **kw) -> Translator:
@@ -54,7 +44,7 @@ def test_layer_map_relative_depth() -> None:
 def test_shapes_and_dtypes_every_pair(src_f: str, tgt_f: str) -> None:
     src, tgt = tiny_model(src_f, 4), tiny_model(tgt_f, 3 if tgt_f == "qwen2" else 5)
     tr = _translator(src, tgt)
-    block = _block(src)
+    block = chunk_block(src, TEXT)
     out = tr.translate(block, tgt)
     ids, offs = token_offsets(tgt.tokenizer, TEXT)
     s = tgt.spec
@@ -69,8 +59,8 @@ def test_shapes_and_dtypes_every_pair(src_f: str, tgt_f: str) -> None:
 def test_layer0_exact_and_k_norm_manifold() -> None:
     src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
     tr = _translator(src, tgt)
-    native = _block(tgt)
-    out = tr.translate(_block(src), tgt)
+    native = chunk_block(tgt, TEXT)
+    out = tr.translate(chunk_block(src, TEXT), tgt)
     torch.testing.assert_close(out.keys[0], native.keys[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.values[0], native.values[0], rtol=1e-4, atol=1e-4)
     # translated keys went through the target's k-norm: per-head RMS of key / scale is 1
@@ -84,7 +74,7 @@ def test_layer0_exact_and_k_norm_manifold() -> None:
 def test_batch_equals_single_and_padding_is_inert() -> None:
     src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
     tr = _translator(src, tgt)
-    short, long = _block(src, "Rivers flow to the sea."), _block(src)
+    short, long = chunk_block(src, "Rivers flow to the sea."), chunk_block(src, TEXT)
     both = tr.translate_many([short, long], tgt)
     alone = tr.translate(short, tgt)
     torch.testing.assert_close(both[0].keys, alone.keys, rtol=1e-4, atol=1e-5)
@@ -126,7 +116,7 @@ def test_artifact_round_trip_and_fingerprint_refusal(tmp_path: Path, monkeypatch
             "quality": {"value": 0.7, "auto_threshold": 0.5}}
     folder = save_artifact(tmp_path / "translators" / "a__b", tr.model, card)
     loaded = load_translator(folder, src.fingerprint, tgt.fingerprint)
-    block = _block(src)
+    block = chunk_block(src, TEXT)
     torch.testing.assert_close(loaded.translate(block, tgt).keys, tr.translate(block, tgt).keys, rtol=2e-2, atol=2e-2)
     assert loaded.auto_ok and loaded.quality == 0.7
     with pytest.raises(TranslatorError, match="target model"):
@@ -137,7 +127,7 @@ def test_artifact_round_trip_and_fingerprint_refusal(tmp_path: Path, monkeypatch
     with pytest.raises(TranslatorError, match="target model"):
         loaded.translate(block, other)
     with pytest.raises(TranslatorError, match="block was made by"):
-        loaded.translate(_block(other), tgt)
+        loaded.translate(chunk_block(other, TEXT), tgt)
     monkeypatch.setenv("CAGKV_HOME", str(tmp_path))
     assert find_translator(src.fingerprint, tgt.fingerprint) is not None
     assert find_translator(src.fingerprint, other.fingerprint) is None

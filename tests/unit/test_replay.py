@@ -9,29 +9,21 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from translate_fixtures import CORPUS, tiny_model  # noqa: E402
+from translate_fixtures import chunk_block, CORPUS, tiny_model  # noqa: E402
 
 from cagkv.align import token_offsets  # noqa: E402
 from cagkv.errors import TranslatorError  # noqa: E402
-from cagkv.kv import KVBlock  # noqa: E402
 from cagkv.models.cache import extract_kv, full_cache  # noqa: E402
 from cagkv.models.layers import inject_kv, run_layers  # noqa: E402
 from cagkv.prompt import PromptFormat  # noqa: E402
 from cagkv.translate import Translator  # noqa: E402
 from cagkv.translate.mot import MoTTranslator  # noqa: E402
+from cagkv.translate.pairs import prefill_kv  # noqa: E402
 from cagkv.translate.ridge import RidgeFit  # noqa: E402
 from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
 from cagkv.translate.translator import window_layers  # noqa: E402
 
 TEXT = CORPUS[0]
-
-
-def _block(loaded, text: str = TEXT) -> KVBlock:
-    ids, offs = token_offsets(loaded.tokenizer, text)
-    with torch.no_grad():
-        out = loaded.model(input_ids=ids[None], cache=full_cache(), use_cache=True)
-    k, v = extract_kv(out.cache, loaded.spec, torch.arange(ids.numel()))
-    return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
 
 
 def _translator(src, tgt, boundaries=(2,)) -> Translator:
@@ -48,11 +40,8 @@ def _translator(src, tgt, boundaries=(2,)) -> Translator:
 
 def _native_chunk_kv(tgt, text: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's own position-free K/V of the chunk, prefilled after its context prefix."""
-    prefix = PromptFormat.for_model(tgt).context_prefix_ids()
     ids, _ = token_offsets(tgt.tokenizer, text)
-    with torch.no_grad():
-        out = tgt.model(input_ids=torch.tensor([prefix + ids.tolist()]), cache=full_cache(), use_cache=True)
-    return extract_kv(out.cache, tgt.spec, torch.arange(len(prefix), len(prefix) + ids.numel()))
+    return prefill_kv(tgt, PromptFormat.for_model(tgt).context_prefix_ids(), ids.tolist())
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2"])
@@ -78,7 +67,7 @@ def test_run_layers_reproduces_forward(family: str) -> None:
 def test_replay_full_depth_is_native_prefill(family: str) -> None:
     src, tgt = tiny_model("qwen2", 3), tiny_model(family, 4)
     tr = _translator(src, tgt)
-    out = tr.translate(_block(src), tgt, replay=tgt.spec.num_layers)
+    out = tr.translate(chunk_block(src, TEXT), tgt, replay=tgt.spec.num_layers)
     k_nat, v_nat = _native_chunk_kv(tgt, TEXT)
     torch.testing.assert_close(out.keys, k_nat, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.values, v_nat, atol=1e-6, rtol=0)
@@ -88,17 +77,17 @@ def test_replay_full_depth_is_native_prefill(family: str) -> None:
 def test_replay_zero_is_plain_translate_and_partial_replay_keeps_lower_layers() -> None:
     src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
     tr = _translator(src, tgt, boundaries=(2,))
-    plain = tr.translate(_block(src), tgt)
-    again = tr.translate(_block(src), tgt, replay=0)
+    plain = tr.translate(chunk_block(src, TEXT), tgt)
+    again = tr.translate(chunk_block(src, TEXT), tgt, replay=0)
     assert torch.equal(plain.keys, again.keys) and torch.equal(plain.values, again.values)
     assert tr.replay_values == [0, 2, 4]
-    part = tr.translate(_block(src), tgt, replay=2)  # boundary layer 2: layers 2, 3 recomputed
+    part = tr.translate(chunk_block(src, TEXT), tgt, replay=2)  # boundary layer 2: layers 2, 3 recomputed
     assert torch.equal(part.keys[:2], plain.keys[:2]) and torch.equal(part.values[:2], plain.values[:2])
     assert not torch.allclose(part.keys[2:], plain.keys[2:])
     with pytest.raises(TranslatorError, match="supports replay in"):
-        tr.translate(_block(src), tgt, replay=1)
+        tr.translate(chunk_block(src, TEXT), tgt, replay=1)
     with pytest.raises(TranslatorError, match="two different"):
-        tr.translate(_block(src), tgt, replay=2, window=True)
+        tr.translate(chunk_block(src, TEXT), tgt, replay=2, window=True)
 
 
 def test_window_layers_cover_about_thirty_percent() -> None:
@@ -132,8 +121,8 @@ def test_mot_window_fed_native_kv_reproduces_native_prefill() -> None:
 def test_mot_window_uses_translated_kv_in_its_window_only() -> None:
     src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 6)
     tr = _translator(src, tgt, boundaries=())
-    plain = tr.translate(_block(src), tgt)
-    win = tr.translate(_block(src), tgt, window=True)
+    plain = tr.translate(chunk_block(src, TEXT), tgt)
+    win = tr.translate(chunk_block(src, TEXT), tgt, window=True)
     layers = window_layers(6)
     torch.testing.assert_close(win.keys[layers], plain.keys[layers], atol=1e-5, rtol=1e-5)
     assert torch.equal(win.values[layers], plain.values[layers])

@@ -6,6 +6,9 @@ import functools
 
 import torch
 
+from cagkv.align import token_offsets
+from cagkv.kv import KVBlock
+from cagkv.models.cache import extract_kv, full_cache
 from cagkv.models.fingerprint import model_fingerprint
 from cagkv.models.loading import LoadedModel
 from cagkv.models.spec import ModelSpec
@@ -81,3 +84,12 @@ def tiny_model(family: str, layers: int = 4, seed: int = 0, tok: str | None = No
     fp = model_fingerprint(cfg, model.state_dict())
     return LoadedModel(model=model, tokenizer=tokz, spec=ModelSpec.from_config(cfg), fingerprint=fp,
                        name=f"tiny-{family}-{layers}", config=cfg)
+
+
+def chunk_block(loaded: LoadedModel, text: str) -> KVBlock:
+    """The model's own position-free block of `text`, prefilled alone (no prefix) at positions 0.."""
+    ids, offs = token_offsets(loaded.tokenizer, text)
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids[None], cache=full_cache(), use_cache=True)
+    k, v = extract_kv(out.cache, loaded.spec, torch.arange(ids.numel()))
+    return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
