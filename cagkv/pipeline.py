@@ -170,6 +170,7 @@ class CAG:
         self._embedder_warm = False
         self._prefixes: dict[tuple[str, str], tuple[Any, int]] = {}
         self._translators: dict[tuple[str, str], Any] = {}  # loaded once per (canonical, target)
+        self._tokenizer_checked = False  # the store's canonical tokenizer hash, checked once
 
     @classmethod
     def open(cls, path: str | None = None, db_url: str | None = None, **kwargs: Any) -> CAG:
@@ -315,7 +316,7 @@ class CAG:
     def _check_tokenizer(self) -> None:
         """Stored blocks hold canonical token ids: refuse a canonical tokenizer the store did
         not record (once per engine; StoreError naming both hashes)."""
-        if not getattr(self, "_tokenizer_checked", False) and hasattr(self.store, "check_tokenizer"):
+        if not self._tokenizer_checked and hasattr(self.store, "check_tokenizer"):
             from cagkv.models.fingerprint import tokenizer_hash
 
             self.store.check_tokenizer(tokenizer_hash(self.model(self.canonical).tokenizer))

@@ -44,53 +44,28 @@ def tiny_config(family: str, **overrides: Any) -> Any:
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
-    if family == "llama":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )
-        kw.update(overrides)
-        return LlamaConfig(**kw)
-    if family == "qwen2":
-        kw = dict(
-            common,
-            num_hidden_layers=3,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        )
-        kw.update(overrides)
-        return Qwen2Config(**kw)
-    if family == "gemma3_text":
-        kw = dict(
+
+    def rope(theta: float) -> dict[str, Any]:
+        return {"rope_type": "default", "rope_theta": theta}
+
+    families = {
+        "llama": (LlamaConfig, dict(common, num_hidden_layers=3, rope_parameters=rope(10000.0))),
+        "qwen2": (Qwen2Config, dict(common, num_hidden_layers=3, rope_parameters=rope(1000000.0))),
+        "gemma3_text": (Gemma3TextConfig, dict(
             common,
             num_hidden_layers=4,
             num_key_value_heads=1,
             sliding_window=8,
-            layer_types=[
-                "sliding_attention",
-                "sliding_attention",
-                "full_attention",
-                "sliding_attention",
-            ],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-            },
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": rope(10000.0), "full_attention": rope(1000000.0)},
             query_pre_attn_scalar=16,
-        )
-        kw.update(overrides)
-        return Gemma3TextConfig(**kw)
-    if family == "gpt2":
-        kw = dict(
-            vocab_size=97,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=256,
-            initializer_range=0.2,
-        )
-        kw.update(overrides)
-        return GPT2Config(**kw)
+        )),
+        "gpt2": (GPT2Config, dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                  initializer_range=0.2)),
+    }
+    if family in families:
+        cls, kw = families[family]
+        return cls(**{**kw, **overrides})
     raise ValueError(f"unknown tiny family {family!r}: expected one of {TINY_FAMILIES}")
 
 

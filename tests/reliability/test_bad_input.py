@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from cagkv.cli.app import main
-from engine_helpers import make_model_dir, make_tokenizer
+from engine_helpers import make_tokenizer, offline_home
 from translate_fixtures import tiny_model
 
 from cagkv.chunking import chunk_text
@@ -35,13 +35,8 @@ DOC = "The lighthouse keeper lived on the island for thirty years. He lit the la
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad_input_home")
-    model = make_model_dir(root / "m", "llama", chat=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CAGKV_HOME", str(root))
-        mp.setenv("CAGKV_EMBEDDER", "hash-64")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield {"home": root, "model": str(model)}
+    with offline_home(tmp_path_factory.mktemp("bad_input_home")) as env:
+        yield env
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from cagkv.cli.app import app
-from engine_helpers import make_model_dir
+from engine_helpers import offline_home
 
 from cagkv.ingest import chunking_params
 from cagkv.models import load, tokenizer_hash, unload
@@ -29,13 +29,8 @@ DOC = "The lighthouse keeper lived on the island for thirty years. He lit the la
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("identity_home")
-    model = make_model_dir(root / "m", "llama", chat=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CAGKV_HOME", str(root))
-        mp.setenv("CAGKV_EMBEDDER", "hash-64")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield {"home": root, "model": model}
+    with offline_home(tmp_path_factory.mktemp("identity_home")) as env:
+        yield env
 
 
 @pytest.fixture

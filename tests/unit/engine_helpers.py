@@ -7,8 +7,12 @@ random causal LMs of the three real families saved as local model folders.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 CHATML = (
@@ -102,3 +106,15 @@ def make_model_dir(root: Path, family: str = "llama", chat: bool = True, seed: i
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@contextmanager
+def offline_home(root: Path) -> Iterator[dict[str, Any]]:
+    """For CLI tests: CAGKV_HOME at `root`, the hash embedder, no hub access, and a tiny chat
+    llama saved under `root/m`. Yields {"home": root, "model": its folder as str}."""
+    model = make_model_dir(root / "m", "llama", chat=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CAGKV_HOME", str(root))
+        mp.setenv("CAGKV_EMBEDDER", "hash-64")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield {"home": root, "model": str(model)}

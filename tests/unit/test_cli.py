@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from cagkv.cli.app import app
-from engine_helpers import make_model_dir
+from engine_helpers import make_model_dir, offline_home
 from typer.testing import CliRunner
 
 DOC = "The lighthouse keeper lived on the island for thirty years. He lit the lamp at sunset."
@@ -18,13 +18,9 @@ DOC = "The lighthouse keeper lived on the island for thirty years. He lit the la
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_home")
-    model = make_model_dir(root / "m", "llama", chat=True)
-    other = make_model_dir(root / "m", "qwen2", chat=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CAGKV_HOME", str(root))
-        mp.setenv("CAGKV_EMBEDDER", "hash-64")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield {"home": root, "model": str(model), "other": str(other)}
+    with offline_home(root) as env:
+        env["other"] = str(make_model_dir(root / "m", "qwen2", chat=True))
+        yield env
 
 
 @pytest.fixture
