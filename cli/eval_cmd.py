@@ -19,6 +19,8 @@ def eval_command(
     dataset: str = typer.Option(..., "--dataset", help="QA file in the shared JSONL schema."),
     limit: int = typer.Option(None, "--limit", help="Evaluate a seeded sample of N questions."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sample (and of the bootstrap)."),
+    max_context_chars: int = typer.Option(None, "--max-context-chars",
+                                          help="Only examples whose context has at most N characters."),
     canonical: str = typer.Option("smollm2-135m", "--canonical", help="Model that prefills contexts."),
     target: str = typer.Option(None, "--target", help="Model that answers (default: canonical)."),
     modes: str = typer.Option("none,native,canonical", "--modes",
@@ -55,9 +57,11 @@ def eval_command(
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit must be positive, got {limit}")
+    if max_context_chars is not None and max_context_chars <= 0:
+        raise UsageError(f"--max-context-chars must be positive, got {max_context_chars}")
     config = EvalConfig(
         dataset=dataset, canonical=canonical, target=target or canonical, modes=mode_list,
-        limit=limit, seed=seed, retrieval=retrieval, top_k=top_k, max_new_tokens=max_new_tokens,
+        limit=limit, seed=seed, max_context_chars=max_context_chars, retrieval=retrieval, top_k=top_k, max_new_tokens=max_new_tokens,
         replay=replay, chunk_tokens=chunk_tokens, kl_text=kl_text, kl_windows=kl_windows,
         dtype=dtype, ingest_dtype=ingest_dtype, embedder=embedder, out=out, markdown=markdown, store=store,
         command=command_line(),

@@ -21,7 +21,10 @@ def train_cmd(
     top_k: int = typer.Option(2, "--top-k", help="Experts per token."),
     steps: str = typer.Option("0,0,400", "--steps", help="Steps of regression,attention,e2e (0 skips a stage)."),
     minutes: str = typer.Option("0,0,24", "--minutes", help="Wall budget per stage in minutes (0 = none)."),
-    init: str = typer.Option("ridge", "--init", help="random, or ridge: start from the closed-form ridge map."),
+    init: str = typer.Option("ridge", "--init", help="random; ridge: start from the closed-form ridge map; "
+                             "or a translator folder: start from its linear path and replay heads."),
+    train_only: str = typer.Option("", "--train-only",
+                                   help="mixture: train only the mixture (linear path and replay heads frozen)."),
     skip_rank: int = typer.Option(128, "--skip-rank", help="Rank of the per-layer linear path (0: none)."),
     method: str = typer.Option("staged", "--method",
                                help="staged: pairs + regression/attention/e2e stages; ridge: streaming closed-form fit."),
@@ -39,7 +42,7 @@ def train_cmd(
     """
     from cagkv.errors import UsageError
     from cagkv.translate.runner import run_training
-    from cagkv.translate.train import TrainConfig
+    from cagkv.translate.train import TRAIN_ONLY, TrainConfig
 
     try:
         s_reg, s_att, s_e2e = (int(x) for x in steps.split(","))
@@ -57,7 +60,7 @@ def train_cmd(
         out=str(out or default_out), samples=samples, experts=experts, top_k=top_k, seed=seed, threads=threads,
         steps_regression=s_reg, steps_attention=s_att, steps_e2e=s_e2e,
         stage_minutes={"regression": m_reg, "attention": m_att, "e2e": m_e2e},
-        init=init, skip_rank=skip_rank, method=method, ridge_texts=ridge_texts, ridge_minutes=ridge_minutes,
+        init=init, train_only=train_only, skip_rank=skip_rank, method=method, ridge_texts=ridge_texts, ridge_minutes=ridge_minutes,
         replay=replays, int8_linear=int8_linear,
     )
     if corpus:
@@ -69,8 +72,15 @@ def train_cmd(
             raise ValueError(f"--top-k must be between 1 and --experts={experts}, got {top_k}")
         if method not in ("staged", "ridge"):
             raise ValueError(f"--method must be staged or ridge, got {method!r}")
-        if init not in ("random", "ridge") or (init == "ridge" and skip_rank < 1):
-            raise ValueError(f"--init must be random or ridge (ridge needs --skip-rank >= 1), got {init!r}")
+        if init == "ridge" and skip_rank < 1:
+            raise ValueError("--init ridge needs --skip-rank >= 1")
+        if init not in ("random", "ridge"):
+            if not (Path(init) / "card.json").is_file():
+                raise ValueError(f"--init must be random, ridge or a translator folder (with card.json), got {init!r}")
+            if method != "staged":
+                raise ValueError("--init FOLDER starts the staged method's gradient stages; use --method staged")
+        if train_only not in TRAIN_ONLY:
+            raise ValueError(f"--train-only must be one of {', '.join(repr(t) for t in TRAIN_ONLY)}, got {train_only!r}")
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     path = run_training(canonical, target, cfg)

@@ -109,9 +109,16 @@ def sample_examples(examples: list[Example], limit: int | None, seed: int = 0) -
     return [examples[i] for i in order]
 
 
-def load_dataset(path: str | Path, limit: int | None = None, seed: int = 0) -> list[Example]:
-    """`read_examples` then `sample_examples`: what `cagkv eval --dataset --limit --seed` runs on."""
-    return sample_examples(read_examples(path), limit, seed)
+def load_dataset(path: str | Path, limit: int | None = None, seed: int = 0,
+                 max_context_chars: int | None = None) -> list[Example]:
+    """`read_examples`, those with contexts of at most `max_context_chars` characters (all
+    when None), then `sample_examples`: what `cagkv eval --dataset --limit --seed` runs on."""
+    examples = read_examples(path)
+    if max_context_chars is not None:
+        examples = [e for e in examples if len(e.context) <= max_context_chars]
+        if not examples:
+            raise UsageError(f"{path}: no example has a context of at most {max_context_chars} characters")
+    return sample_examples(examples, limit, seed)
 
 
 def unique_contexts(examples: list[Example]) -> list[str]:

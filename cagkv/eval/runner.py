@@ -58,6 +58,7 @@ class EvalConfig:
     modes: list[str] = field(default_factory=lambda: ["none", "native", "canonical"])
     limit: int | None = None
     seed: int = 0
+    max_context_chars: int | None = None  # only examples with contexts this short (None: all)
     retrieval: str = "oracle"
     top_k: int = 3
     max_new_tokens: int = 32
@@ -109,6 +110,8 @@ class EvalConfig:
                 "kl_continuation_tokens")
         head = {k: getattr(self, k) for k in keys}
         head["dataset"] = str(Path(self.dataset).name)
+        if self.max_context_chars is not None:  # only when set: older results files still resume
+            head["max_context_chars"] = self.max_context_chars
         return head
 
 
@@ -469,7 +472,7 @@ def run_eval(config: EvalConfig, progress: bool = True,
     `store_factory(path)` and `engine_factory(store)` default to `CacheStore.open(path,
     canonical=...)` and `CAG(store, canonical=...)`; tests pass tiny models and a hash embedder.
     """
-    examples = load_dataset(config.dataset, config.limit, config.seed)
+    examples = load_dataset(config.dataset, config.limit, config.seed, config.max_context_chars)
     out = Path(config.out) if config.out else None
     partial_path = out.with_name(out.name + ".partial.jsonl") if out else None
     header = config.header()

@@ -26,7 +26,15 @@ from cagkv.translate.artifact import save_artifact
 from cagkv.translate.corpus import load_documents, make_samples, split_by_document
 from cagkv.translate.mot import MoTTranslator
 from cagkv.translate.pairs import PairSet, build_pairs
-from cagkv.translate.train import STAGES, Trainer, TrainConfig, make_mot_config, make_optimizer, stage_steps
+from cagkv.translate.train import (
+    STAGES,
+    Trainer,
+    TrainConfig,
+    freeze_linear,
+    make_mot_config,
+    make_optimizer,
+    stage_steps,
+)
 
 __all__ = ["run_training", "AUTO_THRESHOLD"]
 
@@ -103,6 +111,32 @@ def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any
     return mot, info
 
 
+def start_from_artifact(path: str, source: Any, target: Any, mot_cfg: Any) -> tuple[MoTTranslator, dict[str, Any]]:
+    """`init=PATH`: a translator shaped by `mot_cfg` (the mixture) whose linear path, replay
+    heads and normalisation statistics are those of the translator at PATH (same source and
+    target, checked by fingerprint). A mixture of another shape starts with zero output
+    heads, so the new translator starts out computing exactly what PATH computes."""
+    from cagkv.translate.artifact import load_translator
+
+    start = load_translator(path, source.fingerprint, target.fingerprint)
+    old = start.model.cfg
+    cfg = dataclasses.replace(mot_cfg, layer_map=old.layer_map, exact_layers=old.exact_layers,
+                              skip_rank=old.skip_rank, boundaries=old.boundaries, boundary_rank=old.boundary_rank)
+    mot = MoTTranslator(cfg)
+    own = mot.state_dict()
+    copied = {k: v for k, v in start.model.state_dict().items() if k in own and own[k].shape == v.shape}
+    mot.load_state_dict(copied, strict=False)
+    if "head_w" not in copied:
+        with torch.no_grad():
+            mot.head_w.zero_()
+            mot.head_b.zero_()
+    info = {"from": str(path), "tensors_copied": len(copied), "tensors_fresh": len(own) - len(copied),
+            "start_quality": (start.card.get("quality") or {}).get("value"),
+            "default_replay": int(start.card.get("default_replay") or 0)}
+    _say(f"start from {path}: {len(copied)} tensors copied, {len(own) - len(copied)} fresh (mixture heads zero)")
+    return mot, info
+
+
 def train_replay_heads(trainer: Trainer, cfg: TrainConfig, state: dict[str, Any],
                        replays: list[int] | None = None) -> dict[str, Any]:
     """Per replay head (all, or those of `replays`): optional Context Correction stage
@@ -151,8 +185,12 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             _say(" ".join(f"{k}={v}" for k, v in rec.items()))
 
     mot = MoTTranslator(make_mot_config(source, target, cfg))
+    start = None
+    if cfg.init not in ("ridge", "random"):
+        mot, start = start_from_artifact(cfg.init, source, target, mot.cfg)
     ckpt_path = out / "ckpt.pt"
     state: dict[str, Any] = {"done": [], "metrics": {}, "stages": []}
+    saved: dict[str, Any] = {}
     if cfg.method == "ridge":
         mot, data["ridge"] = fit_streaming_ridge(source, target, cfg, mot.cfg, heldout, out)
     trainer = Trainer(source, target, pairs, heldout, cfg, mot=mot, log=log)
@@ -169,9 +207,14 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         mot.load_state_dict(saved["model"])
         state = saved["state"]
         _say(f"resumed from {ckpt_path}: done {state['done']}, in {saved.get('stage')} step {saved.get('step')}")
+    elif start is not None:
+        metrics = trainer.evaluate()
+        _say(f"start (= {cfg.init}): {json.dumps(metrics)}")
+        state["metrics"]["start"] = metrics
+        state["stages"].append({"name": "start", **start})
+        torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
     else:
         trainer.fit_stats()
-        saved = {}
         if cfg.init == "ridge":
             from cagkv.translate.linear import fit_ridge
 
@@ -185,6 +228,8 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             state["stages"].append({"name": "ridge_init", "lambda": cfg.ridge_lambda, "rank": cfg.skip_rank,
                                     "energy_kept": round(kept, 4), "wall_s": round(time.time() - t_r, 1)})
             torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
+    if cfg.train_only == "mixture":
+        _say(f"train only the mixture: {freeze_linear(mot)} trainable parameters")
     steps = stage_steps(cfg) if cfg.method != "ridge" else {s: 0 for s in STAGES}
     for stage in STAGES:
         if stage in state["done"] or steps[stage] <= 0:
@@ -234,8 +279,9 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         "replay": {"boundaries": mot.cfg.boundaries,
                    "values": sorted({0, mot.cfg.tgt_layers, *(mot.cfg.tgt_layers - b for b in mot.cfg.boundaries)}),
                    "heads": "closed-form ridge (reduced rank) to the residual stream entering each boundary layer"
-                   if cfg.method == "ridge" else "untrained"},
-        "default_replay": 0,  # set from the measured recovery/TTFT curve (docs/RESULTS.md)
+                   if cfg.method == "ridge" else f"those of {cfg.init}" if start else "untrained"},
+        # set from the measured recovery/TTFT curve (docs/RESULTS.md); a start's value carries over
+        "default_replay": start["default_replay"] if start else 0,
         "parameters": mot.num_parameters(),
         "wall_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

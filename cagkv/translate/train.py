@@ -82,7 +82,8 @@ class TrainConfig:
     max_minutes: float = 0.0  # >0: stop training early once this much wall time is spent
     stage_minutes: dict[str, float] = field(default_factory=dict)  # per-stage wall budgets
     skip_rank: int = 128  # >0: low-rank linear path per layer
-    init: str = "ridge"  # "ridge": start from the closed-form ridge solution (needs skip_rank)
+    init: str = "ridge"  # "ridge": closed-form ridge start (needs skip_rank); "random"; or a translator folder
+    train_only: str = ""  # "mixture": gradient stages leave the linear path and replay heads as they are
     ridge_lambda: float = 30.0
     method: str = "staged"  # "staged": pairs + stages; "ridge": streaming closed-form fit (ridge.py)
     ridge_texts: int = 0  # "ridge": chunks streamed (0: as many as the corpora give)
@@ -438,6 +439,20 @@ class Trainer:
 
 def stage_steps(cfg: TrainConfig) -> dict[str, int]:
     return {"regression": cfg.steps_regression, "attention": cfg.steps_attention, "e2e": cfg.steps_e2e}
+
+
+TRAIN_ONLY = ("", "mixture")
+LINEAR_PARAMS = ("skip_a", "skip_b", "skip_bias", "boundary.")
+
+
+def freeze_linear(mot: MoTTranslator) -> int:
+    """`train_only="mixture"`: stop gradients into the linear path and the replay heads
+    (the closed-form part), so the gradient stages train only the mixture. Returns the
+    number of parameters left trainable."""
+    for name, p in mot.named_parameters():
+        if name.startswith(LINEAR_PARAMS):
+            p.requires_grad_(False)
+    return sum(p.numel() for p in mot.parameters() if p.requires_grad)
 
 
 def make_optimizer(mot: MoTTranslator, stage: str, cfg: TrainConfig) -> torch.optim.Optimizer:

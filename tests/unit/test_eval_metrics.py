@@ -172,6 +172,21 @@ def test_read_and_sample(tmp_path) -> None:
     assert unique_contexts(examples[:5]) == ["ctx 0", "ctx 1", "ctx 2"]
 
 
+def test_max_context_chars_filters_before_sampling(tmp_path) -> None:
+    path = tmp_path / "lengths.jsonl"
+    rows = _rows(12)
+    for i, row in enumerate(rows):
+        row["context"] = "x" * (10 * (i + 1))  # 10, 20, ..., 120 characters
+    _write(path, rows)
+    short = load_dataset(path, limit=None, seed=0, max_context_chars=50)
+    assert sorted(e.id for e in short) == [f"q{i}" for i in range(5)]
+    # the seeded sample is drawn among the short ones
+    assert load_dataset(path, limit=3, seed=1, max_context_chars=50) == load_dataset(
+        path, limit=None, seed=1, max_context_chars=50)[:3]
+    with pytest.raises(UsageError, match="at most 5 characters"):
+        load_dataset(path, max_context_chars=5)
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -257,3 +272,25 @@ def test_agreement_splits_single_and_multi_chunk_questions() -> None:
     a = agreement(mode, native)
     assert a["single_chunk"] == {"n": 1, "same_answer": 1, "mean_abs_logprob_diff": 0.0}
     assert a["multi_chunk"] == {"n": 2, "same_answer": 1, "mean_abs_logprob_diff": 0.5}
+
+
+def test_needle_grid_and_length_table() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from plot_needle import length_table, needle_grid
+
+    meta = {"a": {"context_chars_budget": 2000, "depth_percent": 0},
+            "b": {"context_chars_budget": 2000, "depth_percent": 50},
+            "c": {"context_chars_budget": 4000, "depth_percent": 0}}
+    report = {"examples": [
+        {"id": "a", "mode": "native", "f1": 1.0}, {"id": "b", "mode": "native", "f1": 0.5},
+        {"id": "c", "mode": "native", "f1": 0.0}, {"id": "a", "mode": "r0", "f1": 0.25},
+        {"id": "zzz", "mode": "r0", "f1": 1.0},  # not in the dataset's meta: ignored
+    ]}
+    grid = needle_grid(report, meta)
+    assert grid == {"native": {(2000, 0): 1.0, (2000, 50): 0.5, (4000, 0): 0.0}, "r0": {(2000, 0): 0.25}}
+    table = length_table(grid, ["native", "r0"]).splitlines()
+    assert table[2] == "| 2000 | 75 (n=2) | 25 (n=1) |"
+    assert table[3] == "| 4000 | 0 (n=1) | - |"

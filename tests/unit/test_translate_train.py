@@ -175,3 +175,44 @@ def test_replay_in_training_matches_native_at_full_depth_and_trains_only_its_hea
     for k, v in tr.mot.state_dict().items():
         if not k.startswith("boundary."):
             assert torch.equal(v, before_other[k]), k
+
+
+def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairSet, tmp_path: Path) -> None:
+    import dataclasses
+
+    from cagkv.translate.artifact import save_artifact
+    from cagkv.translate.runner import start_from_artifact
+    from cagkv.translate.train import freeze_linear
+
+    base = _trainer(pairs, skip_rank=8, experts=1, top_k=1, d_model=8, d_expert=8, boundaries=[4], boundary_rank=4)
+    base.mot.init_skip_from_ridge(fit_ridge(base, lam=1.0).ridge_w)
+    with torch.no_grad():
+        base.mot.boundary["4"].a.normal_(0, 0.05)
+    card = {"source": {"fingerprint": base.source.fingerprint}, "target": {"fingerprint": base.target.fingerprint},
+            "default_replay": 2, "quality": {"value": 0.5}}
+    folder = save_artifact(tmp_path / "start", base.mot, card)
+    with pytest.raises(Exception, match="source model"):
+        start_from_artifact(str(folder), base.target, base.target, base.mot.cfg)
+
+    wider = dataclasses.replace(base.mot.cfg, d_model=16, d_expert=24, experts=3, top_k=2, skip_rank=0, boundaries=[])
+    mot, info = start_from_artifact(str(folder), base.source, base.target, wider)
+    assert (mot.cfg.experts, mot.cfg.skip_rank, mot.cfg.boundaries) == (3, 8, [4])  # linear shape from the artifact
+    assert info["default_replay"] == 2 and info["tensors_fresh"] > 0
+    tr = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=mot)
+    bt = tr.batch([pairs[0], pairs[1]])
+    emb = tr.ts.embed(bt["ids"]).float()
+    with torch.no_grad():  # the start computes what the artifact computes (stored in float16)
+        torch.testing.assert_close(mot(bt["src"], emb, bt["mask"]).y, base.mot(bt["src"], emb, bt["mask"]).y,
+                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(mot.boundary_hidden(bt["src"], emb, 4), base.mot.boundary_hidden(bt["src"], emb, 4),
+                                   atol=2e-2, rtol=2e-2)
+
+    trainable = freeze_linear(mot)
+    assert 0 < trainable < sum(p.numel() for p in mot.parameters())
+    frozen = {k: v.clone() for k, v in mot.state_dict().items() if k.startswith(("skip_", "boundary."))}
+    head = mot.head_w.clone()
+    tr.stage_e2e(3, make_optimizer(mot, "e2e", tr.cfg))
+    assert not torch.equal(mot.head_w, head)  # the mixture learns
+    for k, v in mot.state_dict().items():
+        if k in frozen:
+            assert torch.equal(v, frozen[k]), k
