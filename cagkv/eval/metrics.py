@@ -150,3 +150,34 @@ def recovery(
         ratios = np.where(np.abs(gap) < 1e-12, np.nan, (means[0] - means[1]) / gap)
     lo, hi = _percentiles(ratios, level)
     return Interval(value, lo, hi)
+
+
+def recovery_difference(
+    a: Sequence[float | None],
+    b: Sequence[float | None],
+    none: Sequence[float | None],
+    native: Sequence[float | None],
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Recovery of `a` minus recovery of `b` on the same examples, with a paired bootstrap
+    interval (each resample draws the same examples for all four columns), so two modes
+    whose separate intervals overlap can still be told apart."""
+    if not len(a) == len(b) == len(none) == len(native):
+        raise ValueError(f"paired values need equal lengths, got {len(a)}, {len(b)}, {len(none)}, {len(native)}")
+    table = np.stack([_as_array(a), _as_array(b), _as_array(none), _as_array(native)])  # [4, N]
+    table = table[:, np.isfinite(table).all(axis=0)]
+    n = table.shape[1]
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan)
+    ma, mb, z, f = table.mean(axis=1)
+    value = recovery_ratio(ma, z, f) - recovery_ratio(mb, z, f)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    means = table[:, idx].mean(axis=2)  # [4, B]
+    gap = means[3] - means[2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        diffs = np.where(np.abs(gap) < 1e-12, np.nan, (means[0] - means[1]) / gap)
+    lo, hi = _percentiles(diffs, level)
+    return Interval(value, lo, hi)

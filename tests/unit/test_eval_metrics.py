@@ -16,6 +16,7 @@ from cagkv.eval.metrics import (
     exact_match,
     normalize_answer,
     recovery,
+    recovery_difference,
     recovery_ratio,
     token_f1,
 )
@@ -294,3 +295,22 @@ def test_needle_grid_and_length_table() -> None:
     table = length_table(grid, ["native", "r0"]).splitlines()
     assert table[2] == "| 2000 | 75 (n=2) | 25 (n=1) |"
     assert table[3] == "| 4000 | 0 (n=1) | - |"
+
+
+def test_recovery_difference_is_paired() -> None:
+    rng = np.random.default_rng(0)
+    none = rng.normal(-5.0, 1.0, 200)
+    native = none + rng.normal(3.0, 1.0, 200)
+    noise = rng.normal(0.0, 2.0, 200)  # large per-question noise shared by both modes
+    a = none + 0.7 * (native - none) + noise
+    b = none + 0.6 * (native - none) + noise
+    d = recovery_difference(a, b, none, native, n_boot=500, seed=0)
+    assert d.value == pytest.approx(recovery(a, none, native).value - recovery(b, none, native).value)
+    assert d.value == pytest.approx(0.1, abs=0.01)
+    assert 0.0 < d.lo < d.value < d.hi  # the shared noise cancels: the difference is resolved
+    sep_a, sep_b = recovery(a, none, native, n_boot=500), recovery(b, none, native, n_boot=500)
+    assert sep_a.lo < sep_b.hi  # while the separate intervals overlap
+    same = recovery_difference(a, a, none, native, n_boot=100)
+    assert (same.value, same.lo, same.hi) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        recovery_difference(a[:3], b, none, native)

@@ -1,0 +1,52 @@
+"""Paired comparison of two modes of one `cagkv eval --out` JSON: recovery of A minus B.
+
+Both modes are scored on the same questions, so the difference has a much tighter
+interval than the two recoveries' separate intervals suggest. Prints one line per
+metric: the difference in recovery points with its paired bootstrap 95 % interval.
+
+Example:
+    python benchmarks/compare_modes.py docs/results/squad_replay_smollm2_gemma3.json r4e2e r0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cagkv.eval.metrics import recovery_difference
+from cagkv.eval.report import QUALITY_METRICS
+
+
+def compare(report: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+    """metric -> [difference, lo, hi] of recovery(a) - recovery(b), as fractions."""
+    by_key = {(r["id"], r["mode"]): r for r in report["examples"]}
+    ids = [i for i in dict.fromkeys(r["id"] for r in report["examples"])
+           if all((i, m) in by_key for m in (a, b, "none", "native"))]
+    if not ids:
+        raise SystemExit(f"no question has rows for all of {a}, {b}, none and native")
+    out = {}
+    for metric in QUALITY_METRICS:
+        cols = [[by_key[(i, m)].get(metric) for i in ids] for m in (a, b, "none", "native")]
+        d = recovery_difference(*cols, n_boot=n_boot, seed=seed)
+        out[metric] = [d.value, d.lo, d.hi]
+    out["n"] = [float(len(ids))] * 3
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("a")
+    parser.add_argument("b")
+    args = parser.parse_args()
+    report = json.loads(args.results.read_text(encoding="utf-8"))
+    diff = compare(report, args.a, args.b)
+    print(f"recovery({args.a}) - recovery({args.b}), paired over n = {int(diff['n'][0])} questions:")
+    for metric in QUALITY_METRICS:
+        value, lo, hi = diff[metric]
+        print(f"  {metric:15} {100 * value:+6.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+
+
+if __name__ == "__main__":
+    main()
