@@ -1,7 +1,8 @@
-"""The trained smollm2-135m -> gemma3-270m translator on the real models.
+"""The shipped translators (smollm2-135m -> gemma3-270m, smollm2-135m -> qwen2.5-0.5b) on
+the real models.
 
-Skips when either model is not pulled or no translator for the pair is installed
-(`cagkv train --canonical smollm2-135m --target gemma3-270m`).
+Skips when a model is not pulled or no translator for the pair is installed
+(`cagkv train --canonical smollm2-135m --target TARGET`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ OTHER = ("The Great Barrier Reef lies off the coast of Queensland. It is the lar
 QUESTION, ANSWER = "In which city was Marie Curie born?", " Warsaw"
 
 
-@pytest.fixture(scope="module")
-def pair(real_model):
-    src, tgt = real_model("smollm2-135m"), real_model("gemma3-270m")
+TARGETS = ("gemma3-270m", "qwen2.5-0.5b")
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def pair(request, real_model):
+    src, tgt = real_model("smollm2-135m"), real_model(request.param)
     tr = find_translator(src.fingerprint, tgt.fingerprint)
     if tr is None:
-        pytest.skip("no smollm2-135m -> gemma3-270m translator installed: run `cagkv train ...`")
+        pytest.skip(f"no smollm2-135m -> {request.param} translator installed: run `cagkv train ...`")
     return src, tgt, tr
 
 
@@ -84,7 +88,8 @@ def test_translate_shapes_and_exact_layer0(pair) -> None:
     src, tgt, tr = pair
     out = tr.translate(_block(src, DOC), tgt)
     native = _block(tgt, DOC)
-    assert out.keys.shape == native.keys.shape == (18, 1, native.num_tokens, 256)
+    spec = tgt.spec
+    assert out.keys.shape == native.keys.shape == (spec.num_layers, spec.num_kv_heads, native.num_tokens, spec.head_dim)
     assert torch.equal(out.token_ids, native.token_ids)
     torch.testing.assert_close(out.keys[0], native.keys[0], rtol=1e-3, atol=1e-3)
     assert bool(torch.isfinite(out.keys).all() and torch.isfinite(out.values).all())
@@ -120,10 +125,10 @@ def test_replay_and_window_on_the_real_pair(pair) -> None:
 
 def test_fingerprint_mismatch_refused(pair, real_model) -> None:
     src, tgt, tr = pair
-    qwen = real_model("qwen2.5-0.5b")
+    other = real_model(next(t for t in TARGETS if t != tgt.name))
     path = tr.path
     with pytest.raises(TranslatorError, match="target model"):
-        tr.translate(_block(src, DOC), qwen)
+        tr.translate(_block(src, DOC), other)
     if path:
         with pytest.raises(TranslatorError):
-            load_translator(path, src.fingerprint, qwen.fingerprint)
+            load_translator(path, src.fingerprint, other.fingerprint)
