@@ -48,11 +48,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ttft", type=Path, help="benchmarks/ttft.py JSON: x = its median TTFT per mode")
     parser.add_argument("--length", type=int, help="context tokens of the --ttft rows to use")
+    parser.add_argument("--same-time", action="append", default=[], metavar="MODE=BENCH_MODE",
+                        help="take MODE's x from the --ttft row of BENCH_MODE (e.g. r4e2e=r4: the same "
+                             "computation with other head weights); repeatable")
     args = parser.parse_args()
     ttft = None
     if args.ttft:
         bench = json.loads(args.ttft.read_text(encoding="utf-8"))
         ttft = {r["mode"]: r["ttft"] for r in bench["rows"] if args.length is None or r["length"] == args.length}
+        for pair in args.same_time:
+            mode, _, bench_mode = pair.partition("=")
+            if bench_mode not in ttft:
+                parser.error(f"--same-time {pair}: no --ttft row for mode {bench_mode!r}")
+            ttft[mode] = ttft[bench_mode]
     import matplotlib
 
     matplotlib.use("Agg")
