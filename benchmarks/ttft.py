@@ -50,11 +50,28 @@ def context_of(text: str, tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids[:n_tokens])
 
 
+ENGINE_MODES = ("none", "native", "canonical", "translate", "mot-window", "auto")
+
+
+def parse_mode(spec: str) -> tuple[str, str, str, str | None]:
+    """`[LABEL=]MODE[@R]` (an engine mode, replay R for translate: `r2=translate@2`) or
+    `LABEL=DIR[@R|@window]` (translate with the artifact in DIR, as in `cagkv eval`)
+    -> (label, engine mode, replay, translator dir or None)."""
+    label, _, body = spec.partition("=")
+    body = body or label
+    mode, _, replay = body.partition("@")
+    if mode in ENGINE_MODES:
+        return label, mode, replay, None
+    if not Path(mode).is_dir():
+        raise SystemExit(f"--modes: {mode!r} is neither a mode ({', '.join(ENGINE_MODES)}) nor a translator folder")
+    if replay == "window":
+        return label, "mot-window", "", mode
+    return label, "translate", replay, mode
+
+
 def measure(engine, target: str, mode: str, document_id: str, top_k: int) -> dict[str, float]:
-    """One answer's first-token timings; `mode` is `[LABEL=]MODE[@R]`: an engine mode, with
-    replay R for translate (`r2=translate@2`); the label names the row."""
-    mode = mode.partition("=")[2] or mode
-    mode, _, replay = mode.partition("@")
+    """One answer's first-token timings for a `parse_mode` spec; the label names the row."""
+    _, mode, replay, _ = parse_mode(mode)
     prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
                               replay=int(replay) if replay else (0 if mode == "translate" else None))
     answer = engine.generate(prepared, max_new_tokens=1)
@@ -70,8 +87,10 @@ def main() -> None:
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--modes", default="native,translate",
                         help="engine modes, comma-separated; translate@R replays the top R target layers; "
-                             "LABEL=MODE names the row (r2=translate@2)")
-    parser.add_argument("--translator", default=None, help="translator artifact folder (default: the installed one)")
+                             "LABEL=MODE names the row (r2=translate@2); LABEL=DIR[@R|@window] translates "
+                             "with the artifact in DIR (several artifacts side by side)")
+    parser.add_argument("--translator", default=None,
+                        help="translator artifact folder for plain translate modes (default: the installed one)")
     parser.add_argument("--lengths", default="512,1024,2048")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=256)
@@ -101,20 +120,22 @@ def main() -> None:
         doc_ids = [str(ingest_text(store, c, f"ttft:{n}", loaded=canonical,
                                    chunk_tokens=args.chunk_tokens).document_id)
                    for c, n in zip(contexts, lengths)]
-        finder = None
-        if args.translator:
-            from cagkv.translate import load_translator
+        from cagkv.translate import load_translator
 
-            finder = lambda src, tgt: load_translator(args.translator, src, tgt)  # noqa: E731
-        engine = CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
+        def engine_for(path: str | None) -> CAG:
+            path = path or args.translator
+            finder = (lambda src, tgt: load_translator(path, src, tgt)) if path else None
+            return CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
+
+        engines = {d: engine_for(d) for d in {parse_mode(m)[3] for m in modes}}
         for n, doc in zip(lengths, doc_ids):
             top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document
             samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for m in modes:  # warm-up: loads models and translators, first-call overheads
-                measure(engine, args.target, m, doc, top_k)
+                measure(engines[parse_mode(m)[3]], args.target, m, doc, top_k)
             for _ in range(args.repeats):
                 for m in modes:
-                    samples[m].append(measure(engine, args.target, m, doc, top_k))
+                    samples[m].append(measure(engines[parse_mode(m)[3]], args.target, m, doc, top_k))
             for m in modes:
                 keys = samples[m][0].keys()
                 median = {k: statistics.median(s[k] for s in samples[m]) for k in keys}

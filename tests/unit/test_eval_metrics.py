@@ -314,3 +314,19 @@ def test_recovery_difference_is_paired() -> None:
     assert (same.value, same.lo, same.hi) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="equal lengths"):
         recovery_difference(a[:3], b, none, native)
+
+
+def test_ttft_benchmark_mode_specs(tmp_path) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from ttft import parse_mode
+
+    assert parse_mode("native") == ("native", "native", "", None)
+    assert parse_mode("r2=translate@2") == ("r2", "translate", "2", None)
+    assert parse_mode("cc=translate") == ("cc", "translate", "", None)
+    assert parse_mode(f"cc0={tmp_path}@0") == ("cc0", "translate", "0", str(tmp_path))
+    assert parse_mode(f"w={tmp_path}@window") == ("w", "mot-window", "", str(tmp_path))
+    with pytest.raises(SystemExit, match="neither a mode"):
+        parse_mode(f"x={tmp_path / 'missing'}@0")
