@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
+
 from cagkv.cli.app import app
+from cagkv.errors import UsageError
 from engine_helpers import make_model_dir, offline_home
 from typer.testing import CliRunner
 
@@ -220,3 +222,23 @@ def test_entry_point_usage_errors_exit_2(argv, monkeypatch, capsys):
         main()
     assert exit_.value.code == 2
     assert "Error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--init", "no-such-folder"], "--init must be random, ridge or a translator folder"),
+    (["--train-only", "everything"], "--train-only must be one of"),
+    (["--init", "ridge", "--skip-rank", "0"], "--init ridge needs --skip-rank >= 1"),
+])
+def test_train_rejects_bad_start_options(tmp_path, args, message):
+    out = run("train", "--canonical", "a", "--target", "b", "--out", str(tmp_path / "t"), *args)
+    assert isinstance(out.exception, UsageError), out.output  # the `cagkv` script exits 2 on it (main())
+    assert message in str(out.exception)
+    assert not (tmp_path / "t").exists()  # refused before any work
+
+
+def test_train_init_folder_needs_the_staged_method(tmp_path):
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "card.json").write_text("{}")
+    out = run("train", "--canonical", "a", "--target", "b", "--init", str(start), "--method", "ridge")
+    assert isinstance(out.exception, UsageError) and "--method staged" in str(out.exception), out.output
