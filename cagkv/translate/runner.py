@@ -132,7 +132,9 @@ def start_from_artifact(path: str, source: Any, target: Any, mot_cfg: Any) -> tu
             mot.head_b.zero_()
     info = {"from": str(path), "tensors_copied": len(copied), "tensors_fresh": len(own) - len(copied),
             "start_quality": (start.card.get("quality") or {}).get("value"),
-            "default_replay": int(start.card.get("default_replay") or 0)}
+            "default_replay": int(start.card.get("default_replay") or 0),
+            "earlier_stages": list(start.card.get("stages") or []),  # the start's own history
+            "earlier_data": start.card.get("data")}
     _say(f"start from {path}: {len(copied)} tensors copied, {len(own) - len(copied)} fresh (mixture heads zero)")
     return mot, info
 
@@ -185,9 +187,11 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             _say(" ".join(f"{k}={v}" for k, v in rec.items()))
 
     mot = MoTTranslator(make_mot_config(source, target, cfg))
-    start = None
+    start, earlier_stages = None, []
     if cfg.init not in ("ridge", "random"):
         mot, start = start_from_artifact(cfg.init, source, target, mot.cfg)
+        earlier_stages = start.pop("earlier_stages")
+        data["start"] = {"from": start["from"], "data": start.pop("earlier_data")}
     ckpt_path = out / "ckpt.pt"
     state: dict[str, Any] = {"done": [], "metrics": {}, "stages": []}
     saved: dict[str, Any] = {}
@@ -211,7 +215,7 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         metrics = trainer.evaluate()
         _say(f"start (= {cfg.init}): {json.dumps(metrics)}")
         state["metrics"]["start"] = metrics
-        state["stages"].append({"name": "start", **start})
+        state["stages"] += [*earlier_stages, {"name": "start", **start}]
         torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
     else:
         trainer.fit_stats()
