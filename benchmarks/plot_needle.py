@@ -78,7 +78,8 @@ def main() -> None:
         ax.set_xlabel("needle depth %", fontsize=7)
     axes[0][0].set_ylabel("context characters", fontsize=7)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=f"{args.metric} %")
-    fig.suptitle(f"Needle in a haystack: {report['canonical']} -> {report['target']} (n={report['n']})", fontsize=9, y=1.04)
+    title = f"Needle in a haystack: {report['canonical']} -> {report['target']} (n={report['n']})"
+    fig.suptitle(title, fontsize=9, y=1.04)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, bbox_inches="tight")
     print(f"wrote {args.out}")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cagkv.eval.runner import TTFT_KEYS, _git_commit, _machine
+from cagkv.eval.runner import TTFT_KEYS, _git_commit, _machine, variant_spec
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "examples" / "docs"
 QUESTION = "What is the main point the author makes?"
@@ -62,11 +62,10 @@ def parse_mode(spec: str) -> tuple[str, str, str, str | None]:
     mode, _, replay = body.partition("@")
     if mode in ENGINE_MODES:
         return label, mode, replay, None
-    if not Path(mode).is_dir():
-        raise SystemExit(f"--modes: {mode!r} is neither a mode ({', '.join(ENGINE_MODES)}) nor a translator folder")
-    if replay == "window":
-        return label, "mot-window", "", mode
-    return label, "translate", replay, mode
+    path, count, window = variant_spec(body)  # the `cagkv eval` syntax and its checks
+    if not Path(path).is_dir():
+        raise SystemExit(f"--modes: {path!r} is neither a mode ({', '.join(ENGINE_MODES)}) nor a translator folder")
+    return label, "mot-window" if window else "translate", "" if count is None else str(count), path
 
 
 def measure(engine, target: str, mode: str, document_id: str, top_k: int) -> dict[str, float]:

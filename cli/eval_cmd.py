@@ -61,7 +61,8 @@ def eval_command(
         raise UsageError(f"--max-context-chars must be positive, got {max_context_chars}")
     config = EvalConfig(
         dataset=dataset, canonical=canonical, target=target or canonical, modes=mode_list,
-        limit=limit, seed=seed, max_context_chars=max_context_chars, retrieval=retrieval, top_k=top_k, max_new_tokens=max_new_tokens,
+        limit=limit, seed=seed, max_context_chars=max_context_chars, retrieval=retrieval, top_k=top_k,
+        max_new_tokens=max_new_tokens,
         replay=replay, chunk_tokens=chunk_tokens, kl_text=kl_text, kl_windows=kl_windows,
         dtype=dtype, ingest_dtype=ingest_dtype, embedder=embedder, out=out, markdown=markdown, store=store,
         command=command_line(),

@@ -60,7 +60,8 @@ def train_cmd(
         out=str(out or default_out), samples=samples, experts=experts, top_k=top_k, seed=seed, threads=threads,
         steps_regression=s_reg, steps_attention=s_att, steps_e2e=s_e2e,
         stage_minutes={"regression": m_reg, "attention": m_att, "e2e": m_e2e},
-        init=init, train_only=train_only, skip_rank=skip_rank, method=method, ridge_texts=ridge_texts, ridge_minutes=ridge_minutes,
+        init=init, train_only=train_only, skip_rank=skip_rank, method=method, ridge_texts=ridge_texts,
+        ridge_minutes=ridge_minutes,
         replay=replays, int8_linear=int8_linear,
     )
     if corpus:

@@ -13,7 +13,7 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,6 +120,36 @@ def recovery_ratio(mode: float, none: float, native: float) -> float:
     return (mode - none) / gap
 
 
+def _gap_ratio(num: np.ndarray, gap: np.ndarray) -> np.ndarray:
+    """`num / gap`, NaN where the gap is (near) zero; element-wise on arrays or scalars."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(np.abs(gap) < 1e-12, np.nan, num / gap)
+
+
+def _paired_bootstrap(
+    columns: Sequence[Sequence[float | None]],
+    statistic: Callable[[np.ndarray], np.ndarray],
+    n_boot: int,
+    seed: int,
+    level: float,
+) -> Interval:
+    """`statistic` of the column means (`[k]`, or `[k, B]` for B resamples) with a paired
+    bootstrap interval: every resample draws the same examples for all columns. Examples
+    missing (None/NaN) in any column are dropped."""
+    if len({len(c) for c in columns}) > 1:
+        raise ValueError(f"paired values need equal lengths, got {', '.join(str(len(c)) for c in columns)}")
+    table = np.stack([_as_array(c) for c in columns])  # [k, N]
+    table = table[:, np.isfinite(table).all(axis=0)]
+    n = table.shape[1]
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan)
+    value = float(statistic(table.mean(axis=1)))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_boot, n))  # [B, N]
+    lo, hi = _percentiles(statistic(table[:, idx].mean(axis=2)), level)
+    return Interval(value, lo, hi)
+
+
 def recovery(
     mode: Sequence[float | None],
     none: Sequence[float | None],
@@ -133,23 +163,8 @@ def recovery(
     The three sequences are per-example values of the same examples in the same order;
     examples missing in any of them are dropped.
     """
-    if not len(mode) == len(none) == len(native):
-        raise ValueError(f"paired values need equal lengths, got {len(mode)}, {len(none)}, {len(native)}")
-    table = np.stack([_as_array(mode), _as_array(none), _as_array(native)])  # [3, N]
-    table = table[:, np.isfinite(table).all(axis=0)]
-    n = table.shape[1]
-    if n == 0:
-        return Interval(math.nan, math.nan, math.nan)
-    m, z, f = table.mean(axis=1)
-    value = recovery_ratio(m, z, f)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_boot, n))  # [B, N]
-    means = table[:, idx].mean(axis=2)  # [3, B]
-    gap = means[2] - means[1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = np.where(np.abs(gap) < 1e-12, np.nan, (means[0] - means[1]) / gap)
-    lo, hi = _percentiles(ratios, level)
-    return Interval(value, lo, hi)
+    return _paired_bootstrap([mode, none, native], lambda m: _gap_ratio(m[0] - m[1], m[2] - m[1]),
+                             n_boot, seed, level)
 
 
 def recovery_difference(
@@ -164,20 +179,9 @@ def recovery_difference(
     """Recovery of `a` minus recovery of `b` on the same examples, with a paired bootstrap
     interval (each resample draws the same examples for all four columns), so two modes
     whose separate intervals overlap can still be told apart."""
-    if not len(a) == len(b) == len(none) == len(native):
-        raise ValueError(f"paired values need equal lengths, got {len(a)}, {len(b)}, {len(none)}, {len(native)}")
-    table = np.stack([_as_array(a), _as_array(b), _as_array(none), _as_array(native)])  # [4, N]
-    table = table[:, np.isfinite(table).all(axis=0)]
-    n = table.shape[1]
-    if n == 0:
-        return Interval(math.nan, math.nan, math.nan)
-    ma, mb, z, f = table.mean(axis=1)
-    value = recovery_ratio(ma, z, f) - recovery_ratio(mb, z, f)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_boot, n))
-    means = table[:, idx].mean(axis=2)  # [4, B]
-    gap = means[3] - means[2]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        diffs = np.where(np.abs(gap) < 1e-12, np.nan, (means[0] - means[1]) / gap)
-    lo, hi = _percentiles(diffs, level)
-    return Interval(value, lo, hi)
+
+    def difference(m: np.ndarray) -> np.ndarray:
+        gap = m[3] - m[2]
+        return _gap_ratio(m[0] - m[2], gap) - _gap_ratio(m[1] - m[2], gap)
+
+    return _paired_bootstrap([a, b, none, native], difference, n_boot, seed, level)

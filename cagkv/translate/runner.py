@@ -111,11 +111,13 @@ def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any
     return mot, info
 
 
-def start_from_artifact(path: str, source: Any, target: Any, mot_cfg: Any) -> tuple[MoTTranslator, dict[str, Any]]:
+def start_from_artifact(path: str, source: Any, target: Any,
+                        mot_cfg: Any) -> tuple[MoTTranslator, dict[str, Any], dict[str, Any]]:
     """`init=PATH`: a translator shaped by `mot_cfg` (the mixture) whose linear path, replay
     heads and normalisation statistics are those of the translator at PATH (same source and
     target, checked by fingerprint). A mixture of another shape starts with zero output
-    heads, so the new translator starts out computing exactly what PATH computes."""
+    heads, so the new translator starts out computing exactly what PATH computes.
+    Returns (translator, the "start" stage record, PATH's card)."""
     from cagkv.translate.artifact import load_translator
 
     start = load_translator(path, source.fingerprint, target.fingerprint)
@@ -132,11 +134,9 @@ def start_from_artifact(path: str, source: Any, target: Any, mot_cfg: Any) -> tu
             mot.head_b.zero_()
     info = {"from": str(path), "tensors_copied": len(copied), "tensors_fresh": len(own) - len(copied),
             "start_quality": (start.card.get("quality") or {}).get("value"),
-            "default_replay": int(start.card.get("default_replay") or 0),
-            "earlier_stages": list(start.card.get("stages") or []),  # the start's own history
-            "earlier_data": start.card.get("data")}
+            "default_replay": int(start.card.get("default_replay") or 0)}
     _say(f"start from {path}: {len(copied)} tensors copied, {len(own) - len(copied)} fresh (mixture heads zero)")
-    return mot, info
+    return mot, info, start.card
 
 
 def train_replay_heads(trainer: Trainer, cfg: TrainConfig, state: dict[str, Any],
@@ -187,11 +187,10 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             _say(" ".join(f"{k}={v}" for k, v in rec.items()))
 
     mot = MoTTranslator(make_mot_config(source, target, cfg))
-    start, earlier_stages = None, []
+    start, start_card = None, {}
     if cfg.init not in ("ridge", "random"):
-        mot, start = start_from_artifact(cfg.init, source, target, mot.cfg)
-        earlier_stages = start.pop("earlier_stages")
-        data["start"] = {"from": start["from"], "data": start.pop("earlier_data")}
+        mot, start, start_card = start_from_artifact(cfg.init, source, target, mot.cfg)
+        data["start"] = {"from": start["from"], "data": start_card.get("data")}
     ckpt_path = out / "ckpt.pt"
     state: dict[str, Any] = {"done": [], "metrics": {}, "stages": []}
     saved: dict[str, Any] = {}
@@ -215,7 +214,7 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
         metrics = trainer.evaluate()
         _say(f"start (= {cfg.init}): {json.dumps(metrics)}")
         state["metrics"]["start"] = metrics
-        state["stages"] += [*earlier_stages, {"name": "start", **start}]
+        state["stages"] += [*(start_card.get("stages") or []), {"name": "start", **start}]  # the start's history first
         torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
     else:
         trainer.fit_stats()

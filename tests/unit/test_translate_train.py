@@ -195,9 +195,9 @@ def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairS
         start_from_artifact(str(folder), base.target, base.target, base.mot.cfg)
 
     wider = dataclasses.replace(base.mot.cfg, d_model=16, d_expert=24, experts=3, top_k=2, skip_rank=0, boundaries=[])
-    mot, info = start_from_artifact(str(folder), base.source, base.target, wider)
+    mot, info, start_card = start_from_artifact(str(folder), base.source, base.target, wider)
     assert (mot.cfg.experts, mot.cfg.skip_rank, mot.cfg.boundaries) == (3, 8, [4])  # linear shape from the artifact
-    assert info["default_replay"] == 2 and info["tensors_fresh"] > 0
+    assert info["default_replay"] == 2 and info["tensors_fresh"] > 0 and start_card["default_replay"] == 2
     tr = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=mot)
     bt = tr.batch([pairs[0], pairs[1]])
     emb = tr.ts.embed(bt["ids"]).float()
