@@ -44,7 +44,7 @@ import torch
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
 from cagkv.prompt import PromptFormat
-from cagkv.stores.store import ChunksChangedError
+from cagkv.stores.records import ChunksChangedError
 
 if TYPE_CHECKING:
     from cagkv.kv import KVBlock

@@ -4,22 +4,15 @@
 - `blobs.py`: bytes under keys, atomic writes, sha256-checked reads (folder or fsspec URL).
 - `vectors.py`: the FAISS index of chunk embeddings, ids = chunk ids.
 - `embed.py`: embedders (MiniLM by default; a hashing one for tests).
-- `store.py`: `CacheStore`, the facade that keeps the three consistent.
+- `store.py`: `CacheStore`, the facade that keeps the three consistent; `records.py`: the
+  values it returns (hits, documents, reports); `durability.py`: writer lock and crash hooks.
 - `doctor.py`: consistency checks and repair; `checks.py`: input validation.
 """
 
 from .blobs import BlobStore, FsspecBlobStore, LocalBlobStore, open_blob_store
 from .embed import Embedder, HashEmbedder, MiniLMEmbedder, make_embedder
-from .store import (
-    AddResult,
-    CacheStore,
-    ChunksChangedError,
-    DoctorReport,
-    DocumentInfo,
-    Hit,
-    Problem,
-    content_hash,
-)
+from .records import AddResult, ChunksChangedError, DoctorReport, DocumentInfo, Hit, Problem, content_hash
+from .store import CacheStore
 from .vectors import CorruptIndexError, VectorIndex
 
 __all__ = [

@@ -13,14 +13,14 @@ from cagkv.errors import CorruptBlobError
 
 from .blobs import check_key
 from .catalog import Chunk, Document
+from .records import DoctorReport, Problem
 from .vectors import CorruptIndexError, VectorIndex
 
 if TYPE_CHECKING:
-    from .store import CacheStore, DoctorReport
+    from .store import CacheStore
 
 
 def run_doctor(store: CacheStore, repair: bool, verify_blobs: bool) -> DoctorReport:
-    from .store import DoctorReport, Problem
 
     report = DoctorReport(ok=True, checked_chunks=0)
     cat = store.catalog

@@ -26,17 +26,13 @@ Example:
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from sqlalchemy import delete, func, select
@@ -45,26 +41,19 @@ from sqlalchemy.orm import Session, undefer
 from cagkv.errors import CorruptBlobError, StoreError, UsageError
 from cagkv.kv import KVBlock
 
-from .blobs import BlobStore, check_key, open_blob_store, sha256
+from .blobs import BlobStore, check_key, open_blob_store
 from .catalog import Catalog, Chunk, Document, Model, NoCatalogError, Translator, now, redact, source_hash, sqlite_url
 from .checks import MAX_SOURCE_CHARS, MAX_TEXT_CHARS, as_ids, check_json, check_layout, check_text, doc_cond
+from .durability import FAULT_POINTS, FaultInjected, fault, file_lock
 from .embed import DEFAULT_EMBEDDER, Embedder, make_embedder, normalise
+from .records import (
+    AddResult, ChunksChangedError, DocumentInfo, DoctorReport, Hit, Problem, TextChunkLike, blob_key,
+    content_hash, normal_json,
+)  # fmt: skip
 from .vectors import CorruptIndexError, VectorIndex
 
 INDEX_FILE = "vectors.safetensors"
 LOCK_FILE = "write.lock"
-FAULT_POINTS = (
-    "before_blobs",
-    "mid_blobs",
-    "after_blobs",
-    "before_commit",
-    "after_commit",
-    "before_index_save",
-    "after_index_save",
-    "mid_old_blob_delete",
-    "remove_after_commit",
-    "remove_before_blob_delete",
-)
 
 
 _MANAGED_META = (
@@ -72,103 +61,10 @@ _MANAGED_META = (
     "tokenizer_hash", "embedder", "embedding_dim", "kv_layout",
 )  # fmt: skip
 
-
-class ChunksChangedError(StoreError):
-    """A chunk found by a search was removed by a writer before its blob was read."""
-
-
-class FaultInjected(RuntimeError):
-    """Raised by a fault point when `CAGKV_FAULT=<point>:raise` (tests only)."""
-
-
-class TextChunkLike(Protocol):
-    text: str
-    start: int
-    end: int
-
-
-@dataclass
-class Hit:
-    chunk_id: int
-    document_id: int
-    score: float
-    text: str
-    source: str
-    ord: int
-
-
-@dataclass
-class AddResult:
-    document_id: int
-    status: str  # "added" | "replaced" | "unchanged"
-    chunks: int = 0
-    tokens: int = 0
-    nbytes: int = 0
-
-
-@dataclass
-class DocumentInfo:
-    id: int
-    source: str
-    content_hash: str
-    metadata: dict[str, Any]
-    chunks: int
-    tokens: int
-    nbytes: int
-    created: str
-    chunking: dict[str, Any] | None = None  # None: not recorded (added before schema version 2)
-
-
-@dataclass
-class Problem:
-    kind: str  # missing_blob | corrupt_blob | orphan_blob | temp_file | index | bad_row
-    message: str
-    document: str | None = None
-    chunk: int | None = None
-
-
-@dataclass
-class DoctorReport:
-    ok: bool
-    checked_chunks: int
-    problems: list[Problem] = field(default_factory=list)
-    repaired: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "checked_chunks": self.checked_chunks,
-            "problems": [p.__dict__ for p in self.problems],
-            "repaired": self.repaired,
-        }
-
-
-def content_hash(text: str) -> str:
-    """sha256 of the UTF-8 text: the document identity for idempotent ingest."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _normal_json(value: Any) -> Any:
-    """`value` as it reads back from a JSON column (tuples become lists), for comparisons."""
-    return None if value is None else json.loads(json.dumps(value))
-
-
-def blob_key(data: bytes) -> str:
-    digest = sha256(data)
-    return f"{digest[:2]}/{digest}.kv"
-
-
-def _fault(point: str) -> None:
-    """Test hook: `CAGKV_FAULT=point[:exit|:raise]` kills the process (like kill -9) or raises here."""
-    spec = os.environ.get("CAGKV_FAULT")
-    if not spec:
-        return
-    name, _, action = spec.partition(":")
-    if name != point:
-        return
-    if action == "raise":
-        raise FaultInjected(f"fault injected at {point}")
-    os._exit(137)
+__all__ = [  # the records are re-exported: `from cagkv.stores.store import Hit` keeps working
+    "AddResult", "CacheStore", "ChunksChangedError", "DocumentInfo", "DoctorReport", "FAULT_POINTS",
+    "FaultInjected", "Hit", "Problem", "blob_key", "content_hash",
+]  # fmt: skip
 
 
 class CacheStore:
@@ -249,7 +145,7 @@ class CacheStore:
         except NoCatalogError:
             if not create:
                 raise
-            with _file_lock(root / LOCK_FILE, lock_timeout):  # two creators: one creates, one opens
+            with file_lock(root / LOCK_FILE, lock_timeout):  # two creators: one creates, one opens
                 catalog = Catalog(url, create=True)
         try:
             blobs = open_blob_store(blob_url or root / "blobs")
@@ -374,7 +270,7 @@ class CacheStore:
         """Exclusive inter-process writer lock (fcntl on `write.lock`); re-entrant in-process."""
         with self._thread_lock:
             if self._lock_depth == 0:
-                self._lock_cm = _file_lock(self.path / LOCK_FILE, self.lock_timeout)
+                self._lock_cm = file_lock(self.path / LOCK_FILE, self.lock_timeout)
                 self._lock_cm.__enter__()
             self._lock_depth += 1
             try:
@@ -445,17 +341,17 @@ class CacheStore:
         return idx
 
     def _save_index(self, idx: VectorIndex) -> None:
-        _fault("before_index_save")
+        fault("before_index_save")
         with self._index_lock:
             idx.save(self._index_path())
-        _fault("after_index_save")
+        fault("after_index_save")
 
     # ================================================================ writing
     def has_document(self, source: str, text: str, chunking: dict[str, Any] | None = None) -> bool:
         """True when `source` is stored with exactly this text and chunking (ingest would be skipped)."""
         with self.catalog.read() as s:
             old = self._stored_key(s, source)
-        return old is not None and old[1:] == (content_hash(text), _normal_json(chunking))
+        return old is not None and old[1:] == (content_hash(text), normal_json(chunking))
 
     def _stored_key(self, s: Session, source: str) -> tuple[int, str, dict[str, Any] | None] | None:
         """(id, content hash, chunking) of `source` in snapshot `s`; chunking is None before schema v2."""
@@ -497,7 +393,7 @@ class CacheStore:
         metadata = dict(metadata or {})
         check_json(metadata, "document metadata")
         check_json(chunking, "chunking parameters")
-        chunking = _normal_json(chunking)
+        chunking = normal_json(chunking)
         chash = content_hash(text)
         with self._write_lock():
             self._upgrade_schema()
@@ -511,7 +407,7 @@ class CacheStore:
             texts: list[str] = []
             created: list[str] = []  # blobs this call made: removed again if it fails before the commit
             try:
-                _fault("before_blobs")
+                fault("before_blobs")
                 for i, (chunk, block) in enumerate(chunks):
                     layout = check_layout(i, block, layout)
                     row, new_blob = self._put_chunk(i, chunk, block, text, canon_fp)
@@ -521,8 +417,8 @@ class CacheStore:
                     canon_fp = canon_fp or block.model_fingerprint
                     texts.append(chunk.text)
                     if i == 0:
-                        _fault("mid_blobs")
-                _fault("after_blobs")
+                        fault("mid_blobs")
+                fault("after_blobs")
                 vecs = self._chunk_embeddings(texts, embeddings)
                 idx = self._writer_index()
                 with self.catalog.write() as s:
@@ -545,11 +441,11 @@ class CacheStore:
                     new_ids = [c.id for c in chunk_rows]
                     gen = self.catalog.bump_generation(s)
                     doc_id = int(doc.id)
-                    _fault("before_commit")
+                    fault("before_commit")
             except BaseException:
                 self._collect_blobs(created, None)
                 raise
-            _fault("after_commit")
+            fault("after_commit")
             with self._index_lock:
                 idx.remove(old_ids)
                 idx.add(np.asarray(new_ids, np.int64), vecs)
@@ -628,7 +524,7 @@ class CacheStore:
             if not used:
                 self.blobs.remove(key)
             if n == 0 and fault_point:
-                _fault(fault_point)
+                fault(fault_point)
 
     def remove(self, document: int | str, missing_ok: bool = False) -> int:
         """Remove a document (by id or source) with its chunks, vectors and blobs; return chunks removed.
@@ -645,13 +541,13 @@ class CacheStore:
                     raise UsageError(f"no document {document!r} in store {self.path}")
                 ids, keys = self._delete_document_rows(s, document)
                 gen = self.catalog.bump_generation(s)
-            _fault("remove_after_commit")
+            fault("remove_after_commit")
             with self._index_lock:
                 idx.remove(ids)
                 idx.generation = gen
             if not self._defer_index_save:
                 self._save_index(idx)
-            _fault("remove_before_blob_delete")
+            fault("remove_before_blob_delete")
             self._collect_blobs(keys, "mid_old_blob_delete")
         return len(ids)
 
@@ -879,25 +775,3 @@ class CacheStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextmanager
-def _file_lock(path: Path, timeout: float) -> Iterator[None]:
-    """fcntl exclusive lock on `path`, polled until `timeout` (then StoreError: busy)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise StoreError(f"store {path.parent} is not writable: {e.strerror}") from None
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StoreError(f"store {path.parent} is busy: another process holds its write lock") from None
-                time.sleep(0.02)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock

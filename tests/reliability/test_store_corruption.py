@@ -20,7 +20,7 @@ import pytest
 import torch
 from cagkv.stores.blobs import sha256
 from cagkv.stores.catalog import Chunk, Document
-from cagkv.stores.store import blob_key
+from cagkv.stores.records import blob_key
 from safetensors.torch import save
 from sqlalchemy import select
 from storekit import FP, TextChunk, add, answer, doc_text, make_block, open_store, question

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from cagkv.stores.catalog import Chunk
-from cagkv.stores.store import FAULT_POINTS, FaultInjected
+from cagkv.stores.durability import FAULT_POINTS, FaultInjected
 from sqlalchemy import select
 from storekit import add, answer, doc_text, forkserver, open_store, question, run_ops
 

@@ -284,7 +284,7 @@ def test_ingest_streams_blocks_one_batch_at_a_time(tmp_path, models, monkeypatch
 
 def test_ask_searches_again_when_a_writer_removed_a_hit(tmp_path, models, monkeypatch):
     """A hit removed between search and load (a concurrent `rm`) is retried, not an error."""
-    from cagkv.stores.store import ChunksChangedError
+    from cagkv.stores.records import ChunksChangedError
 
     _, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B])
     expected = cag.ask("Who lit the lamp?", mode="canonical", top_k=1, max_new_tokens=4)

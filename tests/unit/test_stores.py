@@ -18,7 +18,7 @@ import pytest
 import torch
 from cagkv.stores import CacheStore, ChunksChangedError, HashEmbedder, VectorIndex, open_blob_store
 from cagkv.stores.blobs import LocalBlobStore, check_key
-from cagkv.stores.store import blob_key
+from cagkv.stores.records import blob_key
 
 from cagkv.errors import CorruptBlobError, StoreError, UsageError
 from cagkv.kv import KVBlock
