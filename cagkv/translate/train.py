@@ -362,7 +362,7 @@ class Trainer:
         n_items = min(len(pairs), limit or self.cfg.eval_samples)
         sse = torch.zeros(cfg.tgt_layers)
         sst = torch.zeros(cfg.tgt_layers)
-        att, kls, kls_w, ws = [], [], [], []
+        att, kls, kls_w, ws, kls_next = [], [], [], [], []
         ll = {"tr": 0.0, "nat": 0.0, "none": 0.0, "n": 0}
         top1 = {"tr": 0, "nat": 0, "none": 0, "n": 0}
         for i in range(n_items):
@@ -389,6 +389,7 @@ class Trainer:
                 kls_w.append(float((kl * w).sum()))
                 ws.append(float(w.sum()))
                 if kind == "next":
+                    kls_next.append(kls[-1])
                     continue
                 ans = rec[f"c{j}_ans"]
                 gold = rec[f"c{j}_ids"][pos + 1]
@@ -411,6 +412,8 @@ class Trainer:
             "attention_rel_error": round(sum(att) / max(1, len(att)), 4),
             "continuation_kl": round(sum(kls) / max(1, len(kls)), 4),
             "continuation_kl_doc_weighted": round(sum(kls_w) / max(1e-9, sum(ws)), 4),
+            # plain continuation of the document's text (kind "next"): what QA-only training can hurt
+            "continuation_kl_next": round(sum(kls_next) / len(kls_next), 4) if kls_next else None,
             "answer_ll": {k: round(ll[k] / m, 4) for k in ("tr", "nat", "none")},
             "answer_ll_recovery": round(rec_ll, 4),
             "answer_top1": {k: round(top1[k] / max(1, top1["n"]), 4) for k in ("tr", "nat")},

@@ -112,6 +112,8 @@ def test_evaluate_reports_metrics(pairs: PairSet) -> None:
     m = tr.evaluate()
     assert len(m["r2_per_layer"]) == 6 and m["r2_per_layer"][0] == pytest.approx(1.0, abs=1e-3)
     assert m["answers"] == 3 and m["continuation_kl"] >= 0
+    # one of the four continuations is "next": its KL is one of four non-negative terms of the mean
+    assert 0 <= m["continuation_kl_next"] <= 4 * m["continuation_kl"] + 1e-6
 
 
 def test_ridge_baseline_fits_training_data(pairs: PairSet) -> None:
