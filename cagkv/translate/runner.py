@@ -135,7 +135,8 @@ def start_from_artifact(path: str, source: Any, target: Any,
     info = {"from": str(path), "tensors_copied": len(copied), "tensors_fresh": len(own) - len(copied),
             "start_quality": (start.card.get("quality") or {}).get("value"),
             "default_replay": int(start.card.get("default_replay") or 0)}
-    _say(f"start from {path}: {len(copied)} tensors copied, {len(own) - len(copied)} fresh (mixture heads zero)")
+    heads = "mixture heads copied" if "head_w" in copied else "mixture heads zero"
+    _say(f"start from {path}: {len(copied)} tensors copied, {len(own) - len(copied)} fresh ({heads})")
     return mot, info, start.card
 
 
