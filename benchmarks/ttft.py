@@ -68,9 +68,8 @@ def parse_mode(spec: str) -> tuple[str, str, str, str | None]:
     return label, "mot-window" if window else "translate", "" if count is None else str(count), path
 
 
-def measure(engine, target: str, mode: str, document_id: str, top_k: int) -> dict[str, float]:
-    """One answer's first-token timings for a `parse_mode` spec; the label names the row."""
-    _, mode, replay, _ = parse_mode(mode)
+def measure(engine, target: str, mode: str, replay: str, document_id: str, top_k: int) -> dict[str, float]:
+    """One answer's first-token timings for an engine mode (replay R for translate, "" for its default)."""
     prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
                               replay=int(replay) if replay else (0 if mode == "translate" else None))
     answer = engine.generate(prepared, max_new_tokens=1)
@@ -108,6 +107,7 @@ def main() -> None:
     from cagkv.stores import CacheStore
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    specs = {m: parse_mode(m) for m in modes}  # checked before any model loads
     lengths = [int(x) for x in args.lengths.split(",")]
     canonical = load(args.canonical, dtype=torch.float32)
     text = read_text(args.text)
@@ -126,15 +126,20 @@ def main() -> None:
             finder = (lambda src, tgt: load_translator(path, src, tgt)) if path else None
             return CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
 
-        engines = {d: engine_for(d) for d in {parse_mode(m)[3] for m in modes}}
+        engines = {d: engine_for(d) for d in {spec[3] for spec in specs.values()}}
+
+        def run(m: str, doc: str, top_k: int) -> dict[str, float]:
+            _, mode, replay, path = specs[m]
+            return measure(engines[path], args.target, mode, replay, doc, top_k)
+
         for n, doc in zip(lengths, doc_ids):
             top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document
             samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for m in modes:  # warm-up: loads models and translators, first-call overheads
-                measure(engines[parse_mode(m)[3]], args.target, m, doc, top_k)
+                run(m, doc, top_k)
             for _ in range(args.repeats):
                 for m in modes:
-                    samples[m].append(measure(engines[parse_mode(m)[3]], args.target, m, doc, top_k))
+                    samples[m].append(run(m, doc, top_k))
             for m in modes:
                 keys = samples[m][0].keys()
                 median = {k: statistics.median(s[k] for s in samples[m]) for k in keys}

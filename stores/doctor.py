@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 
 def run_doctor(store: CacheStore, repair: bool, verify_blobs: bool) -> DoctorReport:
-
     report = DoctorReport(ok=True, checked_chunks=0)
     cat = store.catalog
     dim = store.embedding_dim

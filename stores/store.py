@@ -44,7 +44,7 @@ from cagkv.kv import KVBlock
 from .blobs import BlobStore, check_key, open_blob_store
 from .catalog import Catalog, Chunk, Document, Model, NoCatalogError, Translator, now, redact, source_hash, sqlite_url
 from .checks import MAX_SOURCE_CHARS, MAX_TEXT_CHARS, as_ids, check_json, check_layout, check_text, doc_cond
-from .durability import FAULT_POINTS, FaultInjected, fault, file_lock
+from .durability import fault, file_lock
 from .embed import DEFAULT_EMBEDDER, Embedder, make_embedder, normalise
 from .records import (
     AddResult, ChunksChangedError, DocumentInfo, DoctorReport, Hit, Problem, TextChunkLike, blob_key,
@@ -62,8 +62,8 @@ _MANAGED_META = (
 )  # fmt: skip
 
 __all__ = [  # the records are re-exported: `from cagkv.stores.store import Hit` keeps working
-    "AddResult", "CacheStore", "ChunksChangedError", "DocumentInfo", "DoctorReport", "FAULT_POINTS",
-    "FaultInjected", "Hit", "Problem", "blob_key", "content_hash",
+    "AddResult", "CacheStore", "ChunksChangedError", "DocumentInfo", "DoctorReport", "Hit", "Problem",
+    "blob_key", "content_hash",
 ]  # fmt: skip
 
 
