@@ -167,6 +167,10 @@ class Catalog:
             elif not has_meta:
                 raise NoCatalogError(f"no cagkv catalog at {redact(url)}")
             version = self.get_meta("schema_version")
+            if version is None and not create:
+                # tables committed, meta rows not yet: another process is creating this catalog
+                # (it holds the store's write lock; CacheStore.open waits on it and opens again)
+                raise NoCatalogError(f"the cagkv catalog at {redact(url)} is still being created")
         except OperationalError as e:
             self.engine.dispose()
             raise StoreError(f"cannot open catalog {redact(url)}: {_short(e)}") from None

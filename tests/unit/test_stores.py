@@ -331,6 +331,27 @@ def test_schema_version_mismatch(tmp_path: Path):
         open_store(p)
 
 
+def test_catalog_caught_mid_creation_reads_as_not_there_yet(tmp_path: Path):
+    """Between the creator's table commit and its meta rows, an opener without the write lock
+    must not call the catalog broken (schema version None) but go and wait for the creator."""
+    from cagkv.stores.catalog import SCHEMA_VERSION, Base, Catalog, Meta, NoCatalogError, sqlite_url
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    p = tmp_path / "s"
+    p.mkdir()
+    url = sqlite_url(p / "catalog.db")
+    engine = create_engine(url)
+    Base.metadata.create_all(engine)  # the creator's first step, committed
+    with pytest.raises(NoCatalogError, match="still being created"):
+        Catalog(url, create=False)
+    with Session(engine) as sess, sess.begin():  # the creator's second step
+        sess.add_all([Meta(key="schema_version", value=SCHEMA_VERSION), Meta(key="generation", value=0),
+                      Meta(key="store_id", value="x")])
+    engine.dispose()
+    open_store(p).close()
+
+
 @pytest.mark.parametrize("url", ["notaurl", "postgresql+psycopg://u:secret@127.0.0.1:1/db", "nosuchdialect://x"])
 def test_bad_database_url(tmp_path: Path, url: str):
     with pytest.raises(StoreError) as e:
