@@ -17,6 +17,7 @@ target reads after it, each a question and its answer span taken from the chunk:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -196,11 +197,24 @@ def make_samples(
     return samples
 
 
+def _unit_hash(text: str) -> float:
+    """A stable number in [0, 1) for `text` (not Python's salted hash)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2.0**64
+
+
 def split_by_document(samples: list[Sample], heldout_share: float, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
-    """Train / held-out split with no document on both sides."""
+    """Train / held-out split with no document on both sides.
+
+    A document is held out by a hash of (seed, its name) alone, so the held-out documents
+    do not depend on how many samples were drawn: a run with `--samples 700` holds out the
+    documents that a run with `--samples 330` (or the ridge fit) held out, and its probe
+    never scores documents another run of the same seed trained on."""
     docs = sorted({s.source for s in samples})
-    random.Random(seed).shuffle(docs)
-    n_held = max(1, int(round(len(docs) * heldout_share)))
-    held = set(docs[:n_held])
+    score = {d: _unit_hash(f"{seed}:{d}") for d in docs}
+    held = {d for d in docs if score[d] < heldout_share}
+    if not held and docs and heldout_share > 0:  # tiny samples: hold out the lowest-scoring one
+        held = {min(docs, key=score.__getitem__)}
+    if len(held) == len(docs) and len(docs) > 1:  # never hold out everything
+        held.discard(max(held, key=score.__getitem__))
     return [s for s in samples if s.source not in held], [s for s in samples if s.source in held]
 

@@ -39,6 +39,8 @@ from cagkv.translate.train import (
 __all__ = ["run_training", "AUTO_THRESHOLD"]
 
 AUTO_THRESHOLD = 0.5
+# Bumped when split_by_document changes, so pair folders of the old split are not reused.
+SPLIT_VERSION = "doc-hash-1"
 
 
 def _home() -> Path:
@@ -55,7 +57,7 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
     train_s, held_s = split_by_document(samples, cfg.heldout_share, seed=cfg.seed)
     key = hashlib.sha256(
         json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.samples, cfg.seed, cfg.topk, cfg.predict,
-                    cfg.kinds, cfg.chunk_chars]).encode()
+                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION]).encode()
     ).hexdigest()[:12]
     base = _home() / "pairs" / f"{source.name}__{target.name}__{key}".replace("/", "_")
     for name, ss in (("heldout", held_s), ("train", train_s)):

@@ -218,3 +218,15 @@ def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairS
     for k, v in mot.state_dict().items():
         if k in frozen:
             assert torch.equal(v, frozen[k]), k
+
+
+def test_heldout_documents_do_not_depend_on_the_sample_count() -> None:
+    docs = [(f"doc{i}", " ".join(CORPUS[i % 5 : i % 5 + 4])) for i in range(40)]
+    few = make_samples(docs, 20, seed=0, chars=(80, 400))
+    many = make_samples(docs, 80, seed=0, chars=(80, 400))
+    _, held_few = split_by_document(few, 0.2)
+    train_many, held_many = split_by_document(many, 0.2)
+    held_few_docs = {s.source for s in held_few}
+    assert held_few_docs and held_few_docs <= {s.source for s in held_many}
+    assert not held_few_docs & {s.source for s in train_many}  # a bigger run never trains on them
+    assert 0.05 < len({s.source for s in held_many}) / len({s.source for s in many}) < 0.4
