@@ -61,6 +61,9 @@ def parse_mode(spec: str) -> tuple[str, str, str, str | None]:
     body = body or label
     mode, _, replay = body.partition("@")
     if mode in ENGINE_MODES:
+        if replay and not replay.isdigit():
+            raise SystemExit(f"--modes: {spec!r}: replay after '@' must be a whole number of layers "
+                             f"(a translator folder goes before '@': LABEL=DIR@R)")
         return label, mode, replay, None
     path, count, window = variant_spec(body)  # the `cagkv eval` syntax and its checks
     if not Path(path).is_dir():
