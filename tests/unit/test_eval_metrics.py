@@ -330,3 +330,5 @@ def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     assert parse_mode(f"w={tmp_path}@window") == ("w", "mot-window", "", str(tmp_path))
     with pytest.raises(SystemExit, match="neither a mode"):
         parse_mode(f"x={tmp_path / 'missing'}@0")
+    with pytest.raises(SystemExit, match="whole number"):
+        parse_mode(f"lin=translate@{tmp_path}")  # the folder belongs before '@'
