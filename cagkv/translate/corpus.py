@@ -33,7 +33,7 @@ from cagkv.errors import UsageError
 
 __all__ = [
     "CORPORA", "Continuation", "Sample", "load_documents", "make_samples", "fetch_corpus", "corpora_dir",
-    "split_by_document",
+    "split_by_document", "SPLIT_VERSION",
 ]
 
 CORPORA = ("pydoc", "lee", "shakespeare")
@@ -195,6 +195,11 @@ def make_samples(
                     samples.append(Sample(chunk, conts, doc))
         depth += 1
     return samples
+
+
+# Part of the paired-data cache key (runner.prepare_pairs): bump it whenever
+# split_by_document changes, so folders written with the old split are not reused.
+SPLIT_VERSION = "doc-hash-1"
 
 
 def _unit_hash(text: str) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from cagkv.translate.artifact import save_artifact
-from cagkv.translate.corpus import load_documents, make_samples, split_by_document
+from cagkv.translate.corpus import SPLIT_VERSION, load_documents, make_samples, split_by_document
 from cagkv.translate.mot import MoTTranslator
 from cagkv.translate.pairs import PairSet, build_pairs
 from cagkv.translate.train import (
@@ -39,8 +39,6 @@ from cagkv.translate.train import (
 __all__ = ["run_training", "AUTO_THRESHOLD"]
 
 AUTO_THRESHOLD = 0.5
-# Bumped when split_by_document changes, so pair folders of the old split are not reused.
-SPLIT_VERSION = "doc-hash-1"
 
 
 def _home() -> Path:
