@@ -104,18 +104,25 @@ class EvalConfig:
             raise UsageError("--modes: 'auto' is not a fixed mode; name the modes to compare")
 
     def header(self) -> dict[str, Any]:
-        """Settings a resumed run must share with the rows it reuses (not limit or modes)."""
+        """Settings a resumed run must share with the rows it reuses. Not limit, modes or
+        max_context_chars: they choose which rows run, not what a row holds."""
         keys = ("dataset", "canonical", "target", "seed", "retrieval", "top_k", "max_new_tokens",
                 "replay", "chunk_tokens", "dtype", "ingest_dtype", "embedder", "kl_text", "kl_windows", "kl_context_tokens",
                 "kl_continuation_tokens")
         head = {k: getattr(self, k) for k in keys}
         head["dataset"] = str(Path(self.dataset).name)
-        if self.max_context_chars is not None:  # only when set: older results files still resume
-            head["max_context_chars"] = self.max_context_chars
         return head
 
 
 # ---------------------------------------------------------------------- partial results
+
+
+def _row_settings(header: Any) -> Any:
+    """A stored header less the keys that only selected examples (files written before
+    max_context_chars left the header still resume)."""
+    if not isinstance(header, dict):
+        return header
+    return {k: v for k, v in header.items() if k != "max_context_chars"}
 
 
 class PartialResults:
@@ -137,7 +144,7 @@ class PartialResults:
                 done = json.loads(final.read_text(encoding="utf-8"))
             except json.JSONDecodeError:
                 done = None
-            if isinstance(done, dict) and done.get("config", {}).get("header") == header:
+            if isinstance(done, dict) and _row_settings(done.get("config", {}).get("header")) == header:
                 for row in done.get("examples", []):
                     results.qa[(row["id"], row["mode"])] = row
                 for row in done.get("kl_rows", []):
@@ -146,7 +153,7 @@ class PartialResults:
             lines = path.read_text(encoding="utf-8").splitlines()
             if lines:
                 first = json.loads(lines[0])
-                if first.get("header") != header:
+                if _row_settings(first.get("header")) != header:
                     raise UsageError(
                         f"{path} holds rows made with other settings ({first.get('header')}); "
                         "delete it or give another --out"
@@ -526,6 +533,7 @@ def _run_config(config: EvalConfig, header: dict[str, Any], started: str) -> dic
     return {
         "header": header,
         "limit": config.limit,
+        "max_context_chars": config.max_context_chars,
         "modes": list(config.modes),
         "seed": config.seed,
         "retrieval": config.retrieval,

@@ -209,6 +209,21 @@ def test_larger_limit_and_extra_mode_reuse_earlier_rows(dataset, models, tmp_pat
     assert quality(small).items() <= quality(big).items()
 
 
+def test_longer_contexts_extend_a_run_made_with_max_context_chars(dataset, models, tmp_path):
+    shortest = min(len(c) for c in CONTEXTS)
+    short = run_eval(config(dataset, models, tmp_path, modes=["none", "native"],
+                            max_context_chars=shortest), progress=False)
+    assert 0 < short["n"] < len(QUESTIONS)
+    CountingEngine.calls, CountingEngine.fail_after = 0, None
+    cfg = config(dataset, models, tmp_path, modes=["none", "native"])
+    full = run_eval(cfg, progress=False,
+                    engine_factory=lambda s: CountingEngine(s, canonical=cfg.canonical, dtype="float32"))
+    # 2 warm-up answers + only the examples the short run left out, in both modes
+    assert CountingEngine.calls == 2 + (len(QUESTIONS) - short["n"]) * 2
+    assert full["n"] == len(QUESTIONS)
+    assert quality(short).items() <= quality(full).items()
+
+
 def test_other_settings_refuse_to_resume(tmp_path):
     path = tmp_path / "r.partial.jsonl"
     PartialResults.open(path, {"seed": 0})
