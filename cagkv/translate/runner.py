@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from cagkv.errors import UsageError
 from cagkv.translate.artifact import save_artifact
 from cagkv.translate.corpus import SPLIT_VERSION, load_documents, make_samples, split_by_document
 from cagkv.translate.mot import MoTTranslator
@@ -50,6 +51,8 @@ def _say(msg: str) -> None:
 
 
 def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, PairSet, dict[str, Any]]:
+    if cfg.pairs_dir:
+        return reuse_pairs(Path(cfg.pairs_dir).expanduser(), source, target)
     docs = load_documents(cfg.corpora)
     samples = make_samples(docs, cfg.samples, seed=cfg.seed, chars=tuple(cfg.chunk_chars), kinds=tuple(cfg.kinds))
     train_s, held_s = split_by_document(samples, cfg.heldout_share, seed=cfg.seed)
@@ -73,6 +76,26 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
         "continuations": sorted({c.kind for s in samples for c in s.conts}),
     }
     return PairSet(base / "train"), PairSet(base / "heldout"), data
+
+
+def reuse_pairs(base: Path, source: Any, target: Any) -> tuple[PairSet, PairSet, dict[str, Any]]:
+    """The pairs an earlier run built (`pairs_dir`), checked against these two models, so a
+    continued training keeps its held-out documents held out."""
+    sets = {}
+    for name in ("train", "heldout"):
+        index = base / name / "index.json"
+        if not index.is_file():
+            raise UsageError(f"pairs_dir {base}: no {name}/index.json (give a folder under $CAGKV_HOME/pairs)")
+        meta = json.loads(index.read_text())
+        for role, model in (("source", source), ("target", target)):
+            if meta.get(role, {}).get("fingerprint") != model.fingerprint:
+                raise UsageError(f"pairs_dir {base}: built for {role} {meta.get(role, {}).get('name')!r} "
+                                 f"({meta.get(role, {}).get('fingerprint')}), not {model.name!r} ({model.fingerprint})")
+        sets[name] = PairSet(base / name)
+    data = {"chunks_train": len(sets["train"]), "chunks_heldout": len(sets["heldout"]), "pairs_dir": str(base),
+            "pairs_reused": True}
+    _say(f"pairs reused from {base}: {data['chunks_train']} train / {data['chunks_heldout']} held-out chunks")
+    return sets["train"], sets["heldout"], data
 
 
 def fit_streaming_ridge(source: Any, target: Any, cfg: TrainConfig, mot_cfg: Any, heldout: PairSet,

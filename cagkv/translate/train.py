@@ -55,6 +55,7 @@ class TrainConfig:
     chunk_chars: list[int] = field(default_factory=lambda: [300, 520])
     predict: int = 16  # teacher predictions kept per continuation (its last tokens)
     samples: int = 72
+    pairs_dir: str = ""  # reuse the train/heldout pairs of an earlier run (its split) instead of building
     heldout_share: float = 0.1
     seed: int = 0
     layer_nearest: int = 2

@@ -230,3 +230,19 @@ def test_heldout_documents_do_not_depend_on_the_sample_count() -> None:
     assert held_few_docs and held_few_docs <= {s.source for s in held_many}
     assert not held_few_docs & {s.source for s in train_many}  # a bigger run never trains on them
     assert 0.05 < len({s.source for s in held_many}) / len({s.source for s in many}) < 0.4
+
+
+def test_pairs_dir_reuses_an_earlier_runs_pairs_for_the_same_models_only(tmp_path: Path) -> None:
+    from cagkv.errors import UsageError
+    from cagkv.translate.runner import prepare_pairs
+
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    one = [Sample(CORPUS[0], [Continuation("follows", 'In the text, what comes right after "The quick"?', "brown fox")])]
+    build_pairs(src, tgt, one * 2, tmp_path / "train", topk=8, predict=5)
+    build_pairs(src, tgt, one, tmp_path / "heldout", topk=8, predict=5)
+    train, held, data = prepare_pairs(src, tgt, TrainConfig(pairs_dir=str(tmp_path)))
+    assert (len(train), len(held)) == (2, 1) and data["pairs_dir"] == str(tmp_path)
+    with pytest.raises(UsageError, match="built for source"):
+        prepare_pairs(tgt, src, TrainConfig(pairs_dir=str(tmp_path)))
+    with pytest.raises(UsageError, match="no train/index.json"):
+        prepare_pairs(src, tgt, TrainConfig(pairs_dir=str(tmp_path / "nowhere")))
