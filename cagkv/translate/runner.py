@@ -83,15 +83,14 @@ def reuse_pairs(base: Path, source: Any, target: Any) -> tuple[PairSet, PairSet,
     continued training keeps its held-out documents held out."""
     sets = {}
     for name in ("train", "heldout"):
-        index = base / name / "index.json"
-        if not index.is_file():
+        if not (base / name / "index.json").is_file():
             raise UsageError(f"pairs_dir {base}: no {name}/index.json (give a folder under $CAGKV_HOME/pairs)")
-        meta = json.loads(index.read_text())
-        for role, model in (("source", source), ("target", target)):
-            if meta.get(role, {}).get("fingerprint") != model.fingerprint:
-                raise UsageError(f"pairs_dir {base}: built for {role} {meta.get(role, {}).get('name')!r} "
-                                 f"({meta.get(role, {}).get('fingerprint')}), not {model.name!r} ({model.fingerprint})")
         sets[name] = PairSet(base / name)
+        for role, model in (("source", source), ("target", target)):
+            built_for = sets[name].index.get(role, {})
+            if built_for.get("fingerprint") != model.fingerprint:
+                raise UsageError(f"pairs_dir {base}: built for {role} {built_for.get('name')!r} "
+                                 f"({built_for.get('fingerprint')}), not {model.name!r} ({model.fingerprint})")
     data = {"chunks_train": len(sets["train"]), "chunks_heldout": len(sets["heldout"]), "pairs_dir": str(base),
             "pairs_reused": True}
     _say(f"pairs reused from {base}: {data['chunks_train']} train / {data['chunks_heldout']} held-out chunks")
