@@ -15,7 +15,7 @@ def train_cmd(
     canonical: str = typer.Option(..., "--canonical", help="Source (canonical) model: zoo name or folder."),
     target: str = typer.Option(..., "--target", help="Target model: zoo name or folder."),
     out: str = typer.Option(None, "--out", help="Artifact folder. Default: $CAGKV_HOME/translators/SRC__TGT."),
-    corpus: list[str] = typer.Option(None, "--corpus", help="Corpus name (pydoc, lee, shakespeare) or .txt path; repeatable."),
+    corpus: list[str] = typer.Option(None, "--corpus", help="Corpus name (pydoc, lee, shakespeare, wiki) or .txt path; repeatable (default lee + pydoc)."),
     samples: int = typer.Option(72, "--samples", help="Training chunks to draw (10% of documents held out)."),
     experts: int = typer.Option(4, "--experts", help="Experts per layer group (1 = single-translator ablation)."),
     top_k: int = typer.Option(2, "--top-k", help="Experts per token."),

