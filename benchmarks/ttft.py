@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from cagkv.errors import UsageError
 from cagkv.eval.runner import TTFT_KEYS, _git_commit, _machine, variant_spec
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "examples" / "docs"
@@ -59,13 +60,12 @@ def parse_mode(spec: str) -> tuple[str, str, str, str | None]:
     -> (label, engine mode, replay, translator dir or None)."""
     label, _, body = spec.partition("=")
     body = body or label
-    mode, _, replay = body.partition("@")
-    if mode in ENGINE_MODES:
-        if replay and not replay.isdigit():
-            raise SystemExit(f"--modes: {spec!r}: replay after '@' must be a whole number of layers "
-                             f"(a translator folder goes before '@': LABEL=DIR@R)")
-        return label, mode, replay, None
-    path, count, window = variant_spec(body)  # the `cagkv eval` syntax and its checks
+    try:  # the `cagkv eval` syntax and its checks, for engine modes and folders alike
+        path, count, window = variant_spec(body)
+    except UsageError as e:
+        raise SystemExit(f"{e} in {spec!r} (a translator folder goes before '@': LABEL=DIR@R)") from None
+    if path in ENGINE_MODES:
+        return label, "mot-window" if window else path, "" if count is None else str(count), None
     if not Path(path).is_dir():
         raise SystemExit(f"--modes: {path!r} is neither a mode ({', '.join(ENGINE_MODES)}) nor a translator folder")
     return label, "mot-window" if window else "translate", "" if count is None else str(count), path

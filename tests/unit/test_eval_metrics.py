@@ -330,5 +330,8 @@ def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     assert parse_mode(f"w={tmp_path}@window") == ("w", "mot-window", "", str(tmp_path))
     with pytest.raises(SystemExit, match="neither a mode"):
         parse_mode(f"x={tmp_path / 'missing'}@0")
-    with pytest.raises(SystemExit, match="whole number"):
+    with pytest.raises(SystemExit, match="expected a replay count.*folder goes before"):
         parse_mode(f"lin=translate@{tmp_path}")  # the folder belongs before '@'
+    with pytest.raises(SystemExit, match="replay must be >= 0"):
+        parse_mode("r=translate@-1")
+    assert parse_mode("w=translate@window") == ("w", "mot-window", "", None)
