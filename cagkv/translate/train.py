@@ -75,6 +75,7 @@ class TrainConfig:
     aux_weight: float = 0.01
     anchor_weight: float = 0.05  # regression term kept during stages 2-3
     kl_positions: int = 16
+    answer_weight: float = 1.0  # e2e KL: the answer tokens' share, against 1 for the document-changed tokens
     topk: int = 32
     eval_samples: int = 10
     log_every: int = 10
@@ -307,7 +308,8 @@ class Trainer:
         sel = score.topk(min(self.cfg.kl_positions, score.numel())).indices.sort().values
         logits = self.continuation_logits(keys, values, b, n, rec[f"c{j}_ids"], keep=rec[f"c{j}_pos"][sel])
         kl = kl_topk(F.log_softmax(logits, -1), rec[f"c{j}_topi"][sel], rec[f"c{j}_topv"][sel].float())
-        weight = 0.05 + w[sel] / w[sel].sum().clamp(min=1e-6) + ans[sel].float() / max(1, int(ans[sel].sum()))
+        weight = (0.05 + w[sel] / w[sel].sum().clamp(min=1e-6)
+                  + self.cfg.answer_weight * ans[sel].float() / max(1, int(ans[sel].sum())))
         return (weight * kl).sum() / weight.sum()
 
     def stage_e2e(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None,

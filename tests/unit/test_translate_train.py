@@ -107,6 +107,22 @@ def test_e2e_step_changes_only_translator(pairs: PairSet) -> None:
     assert any(k.startswith("W1") or k.startswith("head_w") for k in changed)
 
 
+def test_answer_weight_moves_the_e2e_loss_toward_the_answer_tokens(pairs: PairSet) -> None:
+    rec = next(r for r in pairs if r["kinds"] and bool(r["c0_ans"].any()) and not bool(r["c0_ans"].all()))
+
+    def loss(answer_weight: float) -> float:
+        tr = _trainer(pairs, answer_weight=answer_weight)  # same seed: the same translator each time
+        keys, values, _ = tr.translate_batch(tr.batch([rec]))
+        with torch.no_grad():
+            return tr.e2e_loss(keys, values, rec, 0, 0).item()
+
+    none, default, four, only = loss(0.0), loss(1.0), loss(4.0), loss(1e9)
+    assert none != pytest.approx(only, rel=1e-3)  # answer and other tokens disagree here
+    lo, hi = sorted((none, only))
+    assert lo < default < hi and lo < four < hi
+    assert abs(four - only) < abs(default - only)  # a larger weight: closer to the answer-only KL
+
+
 def test_evaluate_reports_metrics(pairs: PairSet) -> None:
     tr = _trainer(pairs)
     m = tr.evaluate()
