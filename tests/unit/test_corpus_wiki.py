@@ -10,7 +10,7 @@ import pytest
 
 from cagkv.errors import UsageError
 from cagkv.translate.corpus import (
-    WIKI_EVAL_OVERLAP, load_documents, shared_ngrams, wiki_articles, wiki_plain_text, word_ngrams,
+    WIKI_EVAL_OVERLAP, load_documents, wiki_articles, wiki_plain_text, word_ngrams,
 )
 
 MARKUP = """{{Infobox person
@@ -60,13 +60,14 @@ def test_dump_keeps_articles_and_drops_redirects_and_other_namespaces(tmp_path: 
     ]
 
 
-def test_shared_ngrams_finds_copied_text_only() -> None:
+def test_word_ngrams_find_copied_text_only() -> None:
     copied = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
-    assert shared_ngrams(f"Before. {copied.upper()} after.", ["unrelated", f"x {copied} y"]) == {
+    evaluation = word_ngrams("unrelated") | word_ngrams(f"x {copied} y")
+    assert word_ngrams(f"Before. {copied.upper()} after.") & evaluation == {
         " ".join(copied.split()[:13]), " ".join(copied.split()[1:14])
     }
-    assert shared_ngrams(copied, [" ".join(copied.split()[:12])]) == set()  # 12 words: below n
-    assert shared_ngrams(copied, []) == set()
+    assert word_ngrams(copied) & word_ngrams(" ".join(copied.split()[:12])) == set()  # 12 words: below n
+    assert word_ngrams(" ".join(copied.split()[:12])) == set()
 
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
