@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -109,10 +110,12 @@ def build_pairs(
     # the target's own prefix, position-free (computed natively at ask time too)
     pk, pv = prefill_kv(target, [], t_prefix)
     save_file({"ids": torch.tensor(t_prefix), "k": pk.contiguous(), "v": pv.contiguous()}, str(out / "prefix.safetensors"))
+    written = json.loads((out / "index.json").read_text()) if (out / "index.json").is_file() else {}
     index = {
         "source": {"name": source.name, "fingerprint": source.fingerprint},
         "target": {"name": target.name, "fingerprint": target.fingerprint},
-        "topk": topk, "samples": len(samples), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "topk": topk, "samples": max(len(samples), written.get("samples", 0)),
+        "created": written.get("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
     }
     (out / "index.json").write_text(json.dumps(index, indent=1))
     P = len(t_prefix)
@@ -175,7 +178,7 @@ def build_pairs(
 class PairSet:
     """Read access to a folder written by `build_pairs`."""
 
-    def __init__(self, folder: str | Path, indices: list[int] | None = None) -> None:
+    def __init__(self, folder: str | Path, indices: Iterable[int] | None = None) -> None:
         from safetensors.torch import load_file
 
         self.folder = Path(folder)

@@ -42,6 +42,10 @@ __all__ = ["run_training", "AUTO_THRESHOLD"]
 AUTO_THRESHOLD = 0.5
 
 
+# Part of the paired-data cache key; 2: the sample count left out (folders extend across --samples).
+PAIRS_KEY_VERSION = 2
+
+
 def _home() -> Path:
     return Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv"))
 
@@ -56,9 +60,13 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
     docs = load_documents(cfg.corpora)
     samples = make_samples(docs, cfg.samples, seed=cfg.seed, chars=tuple(cfg.chunk_chars), kinds=tuple(cfg.kinds))
     train_s, held_s = split_by_document(samples, cfg.heldout_share, seed=cfg.seed)
+    # The sample count is not part of the key: make_samples draws a prefix-stable sequence and
+    # the held-out split depends on the document alone, so a run with more samples extends the
+    # folder a smaller run of the same settings wrote (build_pairs resumes), and one with fewer
+    # reads its first files.
     key = hashlib.sha256(
-        json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.samples, cfg.seed, cfg.topk, cfg.predict,
-                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION]).encode()
+        json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.seed, cfg.topk, cfg.predict,
+                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION, PAIRS_KEY_VERSION]).encode()
     ).hexdigest()[:12]
     base = _home() / "pairs" / f"{source.name}__{target.name}__{key}".replace("/", "_")
     for name, ss in (("heldout", held_s), ("train", train_s)):
@@ -75,7 +83,7 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
         "chars_train": sum(len(s.text) for s in train_s), "pairs_dir": str(base),
         "continuations": sorted({c.kind for s in samples for c in s.conts}),
     }
-    return PairSet(base / "train"), PairSet(base / "heldout"), data
+    return PairSet(base / "train", range(len(train_s))), PairSet(base / "heldout", range(len(held_s))), data
 
 
 def reuse_pairs(base: Path, source: Any, target: Any) -> tuple[PairSet, PairSet, dict[str, Any]]:

@@ -262,3 +262,40 @@ def test_pairs_dir_reuses_an_earlier_runs_pairs_for_the_same_models_only(tmp_pat
         prepare_pairs(tgt, src, TrainConfig(pairs_dir=str(tmp_path)))
     with pytest.raises(UsageError, match="no train/index.json"):
         prepare_pairs(src, tgt, TrainConfig(pairs_dir=str(tmp_path / "nowhere")))
+
+
+def test_sample_draw_is_prefix_stable() -> None:
+    docs = [(f"doc{i}", " ".join(CORPUS[i % 5 : i % 5 + 4])) for i in range(12)]
+    few = make_samples(docs, 7, seed=3, chars=(80, 400))
+    many = make_samples(docs, 30, seed=3, chars=(80, 400))
+    assert len(many) > len(few) == 7 and many[:7] == few
+
+
+def test_a_bigger_run_extends_the_pair_folder_a_smaller_one_wrote(tmp_path: Path, monkeypatch) -> None:
+    from cagkv.translate import runner
+
+    monkeypatch.setenv("CAGKV_HOME", str(tmp_path / "home"))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(6):
+        (texts / f"d{i}.txt").write_text(" ".join(CORPUS[i % 5 : i % 5 + 4] * 3))
+    built = []
+    real_build = runner.build_pairs
+
+    def counting_build(source, target, samples, out_dir, **kw):
+        before = len(list(Path(out_dir).glob("[0-9]*.safetensors")))
+        real_build(source, target, samples, out_dir, **kw)
+        built.append(len(list(Path(out_dir).glob("[0-9]*.safetensors"))) - before)
+
+    monkeypatch.setattr(runner, "build_pairs", counting_build)
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    cfg = dict(corpora=[str(texts)], chunk_chars=[80, 200], topk=8, predict=5, heldout_share=0.3)
+    tr_few, held_few, d_few = runner.prepare_pairs(src, tgt, TrainConfig(samples=4, **cfg))
+    first = list(tr_few.files) + list(held_few.files)
+    assert sum(built) == 4
+    tr, held, data = runner.prepare_pairs(src, tgt, TrainConfig(samples=9, **cfg))
+    assert data["pairs_dir"] == d_few["pairs_dir"] and sum(built) == 9  # only the 5 new samples were built
+    assert len(tr) + len(held) == 9 and tr.files[: len(tr_few)] == tr_few.files
+    assert held.files[: len(held_few)] == held_few.files
+    tr_again, held_again, _ = runner.prepare_pairs(src, tgt, TrainConfig(samples=4, **cfg))
+    assert list(tr_again.files) + list(held_again.files) == first and sum(built) == 9  # reads the first files only
