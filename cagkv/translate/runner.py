@@ -42,10 +42,6 @@ __all__ = ["run_training", "AUTO_THRESHOLD"]
 AUTO_THRESHOLD = 0.5
 
 
-# Part of the paired-data cache key; 2: the sample count left out (folders extend across --samples).
-PAIRS_KEY_VERSION = 2
-
-
 def _home() -> Path:
     return Path(os.environ.get("CAGKV_HOME", Path.home() / ".cache" / "cagkv"))
 
@@ -63,10 +59,10 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
     # The sample count is not part of the key: make_samples draws a prefix-stable sequence and
     # the held-out split depends on the document alone, so a run with more samples extends the
     # folder a smaller run of the same settings wrote (build_pairs resumes), and one with fewer
-    # reads its first files.
+    # reads its first files. (Dropping it from the list already moved every folder to a new key.)
     key = hashlib.sha256(
         json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.seed, cfg.topk, cfg.predict,
-                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION, PAIRS_KEY_VERSION]).encode()
+                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION]).encode()
     ).hexdigest()[:12]
     base = _home() / "pairs" / f"{source.name}__{target.name}__{key}".replace("/", "_")
     for name, ss in (("heldout", held_s), ("train", train_s)):
