@@ -37,7 +37,7 @@ from cagkv.config import strict_from_dict
 from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
 from cagkv.translate.layermap import layer_groups, used_source_layers
 
-__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank"]
+__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank", "with_expert_fed_heads"]
 
 MIXING = ("none", "conv", "attn", "conv+attn")
 
@@ -67,6 +67,7 @@ class MoTConfig:
     tgt_hidden: int = 0
     boundaries: list[int] = field(default_factory=list)  # replay heads: residual stream entering layer b
     boundary_rank: int = 128
+    boundary_from_expert: bool = False  # replay heads also read the expert's hidden state of their layer's group
     dispatch: str = "auto"
     skip_rank: int = 0  # >0: a low-rank linear path per layer (initialised from ridge), MoT adds to it
 
@@ -113,6 +114,7 @@ class MoTOutput:
     y: torch.Tensor  # [B, Lt, T, 2 * kv] normalised K|V of the translated layers
     aux_loss: torch.Tensor  # load-balancing loss (scalar)
     expert_load: torch.Tensor  # [G, E] share of assignments per expert
+    hidden: torch.Tensor | None = None  # [G, B, T, d] per-group state after the experts (what the heads read)
 
 
 class RMSNorm(nn.Module):
@@ -158,6 +160,15 @@ def gather_blocks(x: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tens
     return x.unflatten(-1, (-1, width)).index_select(-2, blocks).flatten(-2)
 
 
+def boundary_group(cfg: MoTConfig, layer: int) -> int:
+    """The layer group whose expert state an expert-fed replay head of `layer` reads: the
+    group holding `layer` (its K/V are a function of the residual stream entering it), or
+    the last group below it when `layer` is not translated."""
+    groups = cfg.groups
+    below = [g for g, layers in enumerate(groups) if layers[0] <= layer]
+    return below[-1] if below else 0
+
+
 def boundary_source_layers(cfg: MoTConfig, layer: int) -> list[int]:
     """Source layers read by the replay head of `layer`: those mapped to layers layer-1 and layer."""
     used = set(cfg.used_src)
@@ -166,7 +177,10 @@ def boundary_source_layers(cfg: MoTConfig, layer: int) -> list[int]:
 
 class BoundaryHead(nn.Module):
     """Low-rank linear map from [normalised source features | RMS-normed target embedding]
-    to the target's residual stream entering one layer, in per-channel normalised units."""
+    to the target's residual stream entering one layer, in per-channel normalised units.
+
+    With `cfg.boundary_from_expert` it adds a linear read-out of the expert's (sequence-mixed)
+    hidden state of the layer's group, initialised at zero so the head starts as the plain one."""
 
     def __init__(self, cfg: MoTConfig, layer: int) -> None:
         super().__init__()
@@ -181,14 +195,23 @@ class BoundaryHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.tgt_hidden))
         self.register_buffer("mean", torch.zeros(cfg.tgt_hidden))
         self.register_buffer("std", torch.ones(cfg.tgt_hidden))
+        self.group = boundary_group(cfg, layer) if cfg.boundary_from_expert else None
+        if cfg.boundary_from_expert:
+            self.h_norm = RMSNorm(cfg.d_model)
+            self.h_proj = nn.Parameter(torch.zeros(cfg.d_model, cfg.tgt_hidden))
 
     def design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """`[B, T, F_b + E]` inputs from normalised source features `x` and raw embeddings."""
         e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
         return torch.cat([gather_blocks(x, self.cols, self.width), e], -1)
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden`: `MoTOutput.hidden` `[G, B, T, d]` of the same tokens (needed when expert-fed)."""
         y = self.design(x, emb) @ self.a @ self.b + self.bias  # normalised units
+        if self.group is not None:
+            if hidden is None:
+                raise ValueError("this replay head reads the expert's hidden state: pass MoTOutput.hidden")
+            y = y + self.h_norm(hidden[self.group]) @ self.h_proj
         return y * self.std + self.mean
 
 
@@ -326,7 +349,7 @@ class MoTTranslator(nn.Module):
         y = torch.cat(ys, dim=1)  # [B, Lt, T, 2kv]
         if cfg.skip_rank > 0:
             y = y + self.skip(x, emb)
-        return MoTOutput(y=y, aux_loss=aux, expert_load=load.detach())
+        return MoTOutput(y=y, aux_loss=aux, expert_load=load.detach(), hidden=h)
 
     def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """Inputs of the linear path: `[B, T, Lt, F]` (normalised source features | embedding)."""
@@ -392,14 +415,16 @@ class MoTTranslator(nn.Module):
         self.head_b.zero_()
         return kept / max(total, 1e-12)
 
-    def boundary_hidden(self, src: torch.Tensor, emb: torch.Tensor, layer: int) -> torch.Tensor:
+    def boundary_hidden(self, src: torch.Tensor, emb: torch.Tensor, layer: int,
+                        hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The target's residual stream entering `layer` `[B, T, hidden]`, predicted from the
-        raw aligned source features and the target's embeddings (the replay head)."""
+        raw aligned source features and the target's embeddings (the replay head); `hidden`
+        (`MoTOutput.hidden` of the same tokens) feeds expert-fed heads."""
         if str(layer) not in self.boundary:
             have = sorted(self.cfg.boundaries)
             raise KeyError(f"no boundary head for layer {layer} (heads: {have})")
         x = (src - self.src_mean) / self.src_std
-        return self.boundary[str(layer)](x, emb)
+        return self.boundary[str(layer)](x, emb, hidden)
 
     # ------------------------------------------------------------------ units
     def decode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,3 +447,16 @@ class MoTTranslator(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def with_expert_fed_heads(mot: MoTTranslator) -> MoTTranslator:
+    """A copy of `mot` whose replay heads also read the expert's hidden state
+    (`boundary_from_expert`); the new read-outs start at zero, so the copy's outputs equal `mot`'s."""
+    if mot.cfg.boundary_from_expert:
+        return mot
+    new = MoTTranslator(dataclasses.replace(mot.cfg, boundary_from_expert=True))
+    missing, unexpected = new.load_state_dict(mot.state_dict(), strict=False)
+    fresh = [k for k in missing if not k.endswith((".h_proj", ".h_norm.weight"))]
+    if fresh or unexpected:
+        raise ValueError(f"state mismatch: missing {fresh}, unexpected {unexpected}")
+    return new.train(mot.training)

@@ -193,11 +193,11 @@ class Trainer:
         out = self.mot(bt["src"], emb, bt["mask"])
         keys, values = assemble_kv(self.mot, self.ts, out, emb)
         if self.replay:
-            keys, values = self.replay_kv(bt, emb, keys, values)
+            keys, values = self.replay_kv(bt, emb, keys, values, out.hidden)
         return keys, values, out
 
     def replay_kv(self, bt: dict[str, torch.Tensor], emb: torch.Tensor, keys: torch.Tensor,
-                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  values: torch.Tensor, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace layers L-r.. of each chunk by the target's recomputation (differentiable)."""
         from cagkv.models.cache import extract_kv
         from cagkv.models.layers import run_layers
@@ -209,7 +209,8 @@ class Trainer:
         for i, n in enumerate(bt["lengths"].tolist()):
             cache = build_cache(self.target.config, spec, self.pairs.prefix_k.float(), self.pairs.prefix_v.float(),
                                 torch.arange(self.P), dtype=dtype)
-            x = emb[i : i + 1, :n] if start == 0 else self.mot.boundary_hidden(bt["src"][i : i + 1, :n], emb[i : i + 1, :n], start)
+            x = emb[i : i + 1, :n] if start == 0 else self.mot.boundary_hidden(
+                bt["src"][i : i + 1, :n], emb[i : i + 1, :n], start, None if hidden is None else hidden[:, i : i + 1, :n])
             positions = torch.arange(self.P, self.P + n)
             run_layers(self.target.model, x.to(dtype), positions[None], cache, start)
             k_new, v_new = extract_kv(cache, spec, positions, dtype=torch.float32, layers=range(start, n_layers))
@@ -330,7 +331,7 @@ class Trainer:
                 (total / self.cfg.e2e_accum).backward()
                 stats["loss"] += kl.item() / self.cfg.e2e_accum
                 stats["reg"] += reg.item() / self.cfg.e2e_accum
-            torch.nn.utils.clip_grad_norm_(self.mot.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
             opt.step()
             self._after_step(stage, step, steps, stats, ckpt)
             self.steps_done = step + 1
@@ -341,11 +342,21 @@ class Trainer:
                        ckpt: Callable | None = None) -> None:
         """Context Correction for one replay head: KL of the target's continuations after
         replaying its top `replay` layers from the head, gradients into that head only."""
+        head = self.mot.boundary[str(self.mot.cfg.tgt_layers - replay)]
+        # Only the head may hold gradients: otherwise the translated lower layers' K/V send
+        # gradients into the mixture that no optimiser clears, and they swamp the clipping norm.
+        saved = {p: p.requires_grad for p in self.mot.parameters()}
+        for p in self.mot.parameters():
+            p.requires_grad_(False)
+        for p in head.parameters():
+            p.requires_grad_(True)
         self.replay = replay
         try:
             self.stage_e2e(steps, opt, start=start, ckpt=ckpt, stage=f"boundary_r{replay}", anchor=False)
         finally:
             self.replay = 0
+            for p, flag in saved.items():
+                p.requires_grad_(flag)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

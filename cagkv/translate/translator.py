@@ -205,7 +205,8 @@ class Translator:
                 else:
                     start, inject = self.model.cfg.tgt_layers - replay, []
                     hidden = (emb[i : i + 1, :n] if start == 0 else
-                              self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start)).to(dtype)
+                              self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start,
+                                                               out.hidden[:, i : i + 1, :n])).to(dtype)
                 k_new, v_new = self._recompute(target, hidden, start, keys[i, :, :, :n], values[i, :, :, :n], inject)
                 keys[i, start:, :, :n], values[i, start:, :, :n] = k_new, v_new
             self.last_replay_ms = (time.perf_counter() - t0) * 1000

@@ -90,6 +90,22 @@ def test_replay_zero_is_plain_translate_and_partial_replay_keeps_lower_layers() 
         tr.translate(chunk_block(src, TEXT), tgt, replay=2, window=True)
 
 
+def test_expert_fed_replay_head_reads_the_expert_state_at_inference() -> None:
+    from cagkv.translate.mot import with_expert_fed_heads
+
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    tr = _translator(src, tgt, boundaries=(2,))
+    fed = Translator(with_expert_fed_heads(tr.model).eval(), tr.card)
+    block = chunk_block(src, TEXT)
+    plain, same = tr.translate(block, tgt, replay=2), fed.translate(block, tgt, replay=2)
+    torch.testing.assert_close(same.keys, plain.keys)  # the read-out starts at zero
+    with torch.no_grad():
+        fed.model.boundary["2"].h_proj.normal_(0, 0.5)
+    moved = fed.translate(block, tgt, replay=2)
+    assert torch.equal(moved.keys[:2], plain.keys[:2])  # layers below the boundary: translated, unchanged
+    assert not torch.allclose(moved.keys[2:], plain.keys[2:])
+
+
 def test_window_layers_cover_about_thirty_percent() -> None:
     assert window_layers(18) == [6, 7, 8, 9, 10]
     assert window_layers(24) == [8, 9, 10, 11, 12, 13, 14]

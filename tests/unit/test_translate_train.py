@@ -195,6 +195,58 @@ def test_replay_in_training_matches_native_at_full_depth_and_trains_only_its_hea
             assert torch.equal(v, before_other[k]), k
 
 
+def test_boundary_stage_leaves_no_gradient_outside_its_head(pairs: PairSet) -> None:
+    # Stale gradients in the mixture (never cleared by the head's optimiser) used to enter
+    # the clipping norm and shrink the head's steps a little more every step.
+    tr = _trainer(pairs, boundaries=[4], boundary_rank=4)
+    head = tr.mot.boundary["4"]
+    with torch.no_grad():
+        head.a.normal_(0, 0.05)
+    tr.stage_boundary(2, 2, torch.optim.Adam(list(head.parameters()), lr=1e-2))
+    for name, p in tr.mot.named_parameters():
+        if not name.startswith("boundary.4."):
+            assert p.grad is None, name
+        assert p.requires_grad, name  # flags restored after the stage
+
+
+def test_expert_fed_head_starts_as_the_plain_one_and_learns_from_the_expert(pairs: PairSet, tmp_path: Path) -> None:
+    from cagkv.translate.artifact import load_translator, save_artifact
+    from cagkv.translate.mot import with_expert_fed_heads
+
+    tr = _trainer(pairs, boundaries=[4], boundary_rank=4)
+    with torch.no_grad():
+        tr.mot.boundary["4"].a.normal_(0, 0.05)
+        tr.mot.boundary["4"].b.normal_(0, 0.05)
+    plain = tr.mot
+    fed = with_expert_fed_heads(plain)
+    assert fed.cfg.boundary_from_expert and not plain.cfg.boundary_from_expert
+    bt = tr.batch([pairs[0], pairs[1]])
+    emb = tr.ts.embed(bt["ids"]).float()
+    with torch.no_grad():
+        out = fed(bt["src"], emb, bt["mask"])
+        torch.testing.assert_close(fed.boundary_hidden(bt["src"], emb, 4, out.hidden),
+                                   plain.boundary_hidden(bt["src"], emb, 4))
+        with pytest.raises(ValueError, match="hidden state"):
+            fed.boundary_hidden(bt["src"], emb, 4)
+
+    tr.mot = fed
+    mixture = {k: v.clone() for k, v in fed.state_dict().items() if not k.startswith("boundary.")}
+    head = fed.boundary["4"]
+    tr.stage_boundary(2, 3, torch.optim.Adam(list(head.parameters()), lr=1e-2))
+    assert float(head.h_proj.detach().abs().sum()) > 0  # the read-out of the expert state learned
+    for k, v in fed.state_dict().items():
+        if k in mixture:
+            assert torch.equal(v, mixture[k]), k
+
+    card = {"source": {"fingerprint": tr.source.fingerprint}, "target": {"fingerprint": tr.target.fingerprint}}
+    loaded = load_translator(save_artifact(tmp_path / "fed", fed, card, dtype=torch.float32)).model
+    assert loaded.cfg.boundary_from_expert
+    with torch.no_grad():
+        out = fed(bt["src"], emb, bt["mask"])
+        torch.testing.assert_close(loaded.boundary_hidden(bt["src"], emb, 4, loaded(bt["src"], emb, bt["mask"]).hidden),
+                                   fed.boundary_hidden(bt["src"], emb, 4, out.hidden))
+
+
 def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairSet, tmp_path: Path) -> None:
     import dataclasses
 
