@@ -164,8 +164,7 @@ def boundary_group(cfg: MoTConfig, layer: int) -> int:
     """The layer group whose expert state an expert-fed replay head of `layer` reads: the
     group holding `layer` (its K/V are a function of the residual stream entering it), or
     the last group below it when `layer` is not translated."""
-    groups = cfg.groups
-    below = [g for g, layers in enumerate(groups) if layers[0] <= layer]
+    below = [g for g, layers in enumerate(cfg.groups) if layers[0] <= layer]
     return below[-1] if below else 0
 
 
@@ -195,8 +194,9 @@ class BoundaryHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.tgt_hidden))
         self.register_buffer("mean", torch.zeros(cfg.tgt_hidden))
         self.register_buffer("std", torch.ones(cfg.tgt_hidden))
-        self.group = boundary_group(cfg, layer) if cfg.boundary_from_expert else None
+        self.group = None
         if cfg.boundary_from_expert:
+            self.group = boundary_group(cfg, layer)
             self.h_norm = RMSNorm(cfg.d_model)
             self.h_proj = nn.Parameter(torch.zeros(cfg.d_model, cfg.tgt_hidden))
 

@@ -343,8 +343,8 @@ class Trainer:
         """Context Correction for one replay head: KL of the target's continuations after
         replaying its top `replay` layers from the head, gradients into that head only."""
         head = self.mot.boundary[str(self.mot.cfg.tgt_layers - replay)]
-        # Only the head may hold gradients: otherwise the translated lower layers' K/V send
-        # gradients into the mixture that no optimiser clears, and they swamp the clipping norm.
+        # Only the head takes gradients: the translated lower layers' K/V would otherwise send
+        # backward work and never-cleared gradients into the mixture and the linear path.
         saved = {p: p.requires_grad for p in self.mot.parameters()}
         for p in self.mot.parameters():
             p.requires_grad_(False)

@@ -241,8 +241,7 @@ def test_expert_fed_head_starts_as_the_plain_one_and_learns_from_the_expert(pair
     card = {"source": {"fingerprint": tr.source.fingerprint}, "target": {"fingerprint": tr.target.fingerprint}}
     loaded = load_translator(save_artifact(tmp_path / "fed", fed, card, dtype=torch.float32)).model
     assert loaded.cfg.boundary_from_expert
-    with torch.no_grad():
-        out = fed(bt["src"], emb, bt["mask"])
+    with torch.no_grad():  # `out` still holds: the stage left the mixture as it was
         torch.testing.assert_close(loaded.boundary_hidden(bt["src"], emb, 4, loaded(bt["src"], emb, bt["mask"]).hidden),
                                    fed.boundary_hidden(bt["src"], emb, 4, out.hidden))
 
