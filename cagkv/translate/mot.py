@@ -11,6 +11,7 @@ Per layer group g (consecutive target layers sharing one block):
     h_g = in_proj_g(src[:, :, cols_g]) + emb_proj(emb)         [B, T, d]
     h_g += causal depthwise conv ; h_g += causal self-attention (sequence mixing)
     h_g += sum_{top-k e} gate_e * expert_{g,e}(h_g)            (router, top-k, balance loss)
+    (repeated `blocks` times: each further round of mixing + experts starts as the identity)
     y_l = head_l(norm(h_g)) for target layers l in g           [B, T, 2 * kv_heads * head_dim]
 
 `y` is in normalised units (per layer/channel target stats); `decode` turns it into keys
@@ -37,7 +38,7 @@ from cagkv.config import strict_from_dict
 from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
 from cagkv.translate.layermap import layer_groups, used_source_layers
 
-__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank", "with_expert_fed_heads"]
+__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank", "with_expert_fed_heads", "grown_state"]
 
 MIXING = ("none", "conv", "attn", "conv+attn")
 
@@ -68,6 +69,7 @@ class MoTConfig:
     boundaries: list[int] = field(default_factory=list)  # replay heads: residual stream entering layer b
     boundary_rank: int = 128
     boundary_from_expert: bool = False  # replay heads also read the expert's hidden state of their layer's group
+    blocks: int = 1  # rounds of (sequence mixing + expert mixture) per group
     dispatch: str = "auto"
     skip_rank: int = 0  # >0: a low-rank linear path per layer (initialised from ridge), MoT adds to it
 
@@ -78,6 +80,8 @@ class MoTConfig:
             raise ValueError(f"top_k must be in 1..experts={self.experts}, got {self.top_k}")
         if len(self.layer_map) != self.tgt_layers:
             raise ValueError(f"layer_map has {len(self.layer_map)} rows, expected {self.tgt_layers}")
+        if self.blocks < 1:
+            raise ValueError(f"blocks must be >= 1, got {self.blocks}")
         bad = [b for b in self.boundaries if not 1 <= b < self.tgt_layers]
         if bad:
             raise ValueError(f"boundaries must lie in 1..{self.tgt_layers - 1}, got {bad}")
@@ -245,6 +249,27 @@ class MixBlock(nn.Module):
         return h
 
 
+class MixtureRound(nn.Module):
+    """A further round of sequence mixing + expert mixture over every group's state, added
+    by `MoTConfig.blocks` > 1. Its residual branches start at zero (conv, attention output,
+    the experts' second layer), so a translator grown by a round computes what it did before."""
+
+    def __init__(self, cfg: MoTConfig) -> None:
+        super().__init__()
+        d, n_groups, n_exp, h = cfg.d_model, len(cfg.groups), cfg.experts, cfg.d_expert
+        self.mix = nn.ModuleList(MixBlock(d, cfg.conv_kernel, cfg.attn_heads, cfg.mixing) for _ in range(n_groups))
+        for m in self.mix:
+            if hasattr(m, "conv"):
+                nn.init.zeros_(m.conv.weight)
+                nn.init.zeros_(m.conv.bias)
+        self.router_norm = nn.ModuleList(RMSNorm(d) for _ in range(n_groups))
+        self.router = nn.ModuleList(nn.Linear(d, n_exp) for _ in range(n_groups))
+        self.W1 = nn.Parameter(torch.randn(n_groups * n_exp, d, h) / math.sqrt(d))
+        self.b1 = nn.Parameter(torch.zeros(n_groups * n_exp, h))
+        self.W2 = nn.Parameter(torch.zeros(n_groups * n_exp, h, d))
+        self.b2 = nn.Parameter(torch.zeros(n_groups * n_exp, d))
+
+
 class MoTTranslator(nn.Module):
     """Per layer-group mixture of small MLP experts with a top-k router. See module doc.
 
@@ -289,6 +314,7 @@ class MoTTranslator(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(n_groups * n_exp, h))
         self.W2 = nn.Parameter(torch.randn(n_groups * n_exp, h, d) * (0.5 / math.sqrt(h)))
         self.b2 = nn.Parameter(torch.zeros(n_groups * n_exp, d))
+        self.rounds = nn.ModuleList(MixtureRound(cfg) for _ in range(cfg.blocks - 1))
         n_tr = len(cfg.translated)
         self.head_w = nn.Parameter(torch.randn(n_tr, d, kv2) / math.sqrt(d))
         self.head_b = nn.Parameter(torch.zeros(n_tr, kv2))
@@ -317,29 +343,13 @@ class MoTTranslator(nn.Module):
             h = self.in_proj[g](gather_blocks(x, getattr(self, f"cols_{g}"), 2 * cfg.src_kv_dim)) + e
             hs.append(self.mix[g](h))
         h = torch.stack(hs)  # [G, B, T, d]
-        n_groups, n_exp, k = h.shape[0], cfg.experts, cfg.top_k
-        logits = torch.stack([self.router[g](self.router_norm[g](h[g])) for g in range(n_groups)])  # [G, B, T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        top_p, top_i = probs.topk(k, dim=-1)  # [G, B, T, k]
-        gate = (top_p / top_p.sum(-1, keepdim=True)).to(h.dtype)
-        offset = (torch.arange(n_groups, device=h.device) * n_exp).view(n_groups, 1, 1, 1)
-        flat_h = h.reshape(-1, h.shape[-1])  # [G*B*T, d]
-        mixed = dispatch_experts(
-            flat_h,
-            (top_i + offset).reshape(-1, k),
-            gate.reshape(-1, k),
-            self.W1, self.b1, self.W2, self.b2,
-            impl=cfg.dispatch,
-        )
-        h = h + mixed.reshape(h.shape)  # [G, B, T, d]
         keep = torch.ones(b, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
-        aux = h.new_zeros(())
-        load = h.new_zeros(n_groups, n_exp)
-        for g in range(n_groups):
-            p_g, i_g = probs[g][keep], top_i[g][keep]  # [N, E], [N, k]
-            aux = aux + load_balance_loss(p_g, i_g, n_exp) / n_groups
-            if i_g.numel():
-                load[g] = torch.bincount(i_g.reshape(-1), minlength=n_exp).float() / i_g.numel()
+        h, aux, load = self._experts(h, keep, self.router_norm, self.router, (self.W1, self.b1, self.W2, self.b2))
+        for rnd in self.rounds:
+            h = torch.stack([rnd.mix[g](h[g]) for g in range(h.shape[0])])
+            h, aux_r, load_r = self._experts(h, keep, rnd.router_norm, rnd.router, (rnd.W1, rnd.b1, rnd.W2, rnd.b2))
+            aux, load = aux + aux_r, load + load_r
+        aux, load = aux / cfg.blocks, load / cfg.blocks
         ys = []
         for g, layers in enumerate(cfg.groups):
             hn = self.head_norm[g](h[g])  # [B, T, d]
@@ -350,6 +360,33 @@ class MoTTranslator(nn.Module):
         if cfg.skip_rank > 0:
             y = y + self.skip(x, emb)
         return MoTOutput(y=y, aux_loss=aux, expert_load=load.detach(), hidden=h)
+
+    def _experts(self, h: torch.Tensor, keep: torch.Tensor, router_norm: nn.ModuleList, router: nn.ModuleList,
+                 weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One round of the per-group expert mixture on `h [G, B, T, d]`: every (token, group,
+        slot) assignment in one dispatch. Returns (h + mixture, balance loss, load `[G, E]`)."""
+        cfg = self.cfg
+        n_groups, n_exp, k = h.shape[0], cfg.experts, cfg.top_k
+        logits = torch.stack([router[g](router_norm[g](h[g])) for g in range(n_groups)])  # [G, B, T, E]
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_p, top_i = probs.topk(k, dim=-1)  # [G, B, T, k]
+        gate = (top_p / top_p.sum(-1, keepdim=True)).to(h.dtype)
+        offset = (torch.arange(n_groups, device=h.device) * n_exp).view(n_groups, 1, 1, 1)
+        mixed = dispatch_experts(
+            h.reshape(-1, h.shape[-1]),  # [G*B*T, d]
+            (top_i + offset).reshape(-1, k),
+            gate.reshape(-1, k),
+            *weights,
+            impl=cfg.dispatch,
+        )
+        aux = h.new_zeros(())
+        load = h.new_zeros(n_groups, n_exp)
+        for g in range(n_groups):
+            p_g, i_g = probs[g][keep], top_i[g][keep]  # [N, E], [N, k]
+            aux = aux + load_balance_loss(p_g, i_g, n_exp) / n_groups
+            if i_g.numel():
+                load[g] = torch.bincount(i_g.reshape(-1), minlength=n_exp).float() / i_g.numel()
+        return h + mixed.reshape(h.shape), aux, load
 
     def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """Inputs of the linear path: `[B, T, Lt, F]` (normalised source features | embedding)."""
@@ -460,3 +497,36 @@ def with_expert_fed_heads(mot: MoTTranslator) -> MoTTranslator:
     if fresh or unexpected:
         raise ValueError(f"state mismatch: missing {fresh}, unexpected {unexpected}")
     return new.train(mot.training)
+
+
+_HIDDEN_AXIS = {"W1": -1, "b1": -1, "W2": -2}  # the experts' hidden dimension in each tensor
+
+
+@torch.no_grad()
+def grown_state(new: MoTTranslator, old: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of `old` (a translator's state dict) that fit `new`: those of the same
+    shape as they are, and the experts' first/second layers of a narrower translator copied
+    into the first hidden units of `new`'s wider ones, whose further units start with zero
+    second-layer rows. So a translator grown in `d_expert` (or by further `blocks`, which
+    start as the identity) computes exactly what `old` did. Tensors that fit neither way
+    are left out (the caller keeps `new`'s own)."""
+    own = new.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, v in old.items():
+        if name not in own:
+            continue
+        mine = own[name]
+        if mine.shape == v.shape:
+            out[name] = v
+            continue
+        axis = _HIDDEN_AXIS.get(name.rsplit(".", 1)[-1])
+        if axis is None or mine.dim() != v.dim() or mine.shape[axis] < v.shape[axis]:
+            continue
+        if [a for i, (a, b) in enumerate(zip(mine.shape, v.shape)) if a != b and i != mine.dim() + axis]:
+            continue
+        grown = mine.clone()
+        if name.endswith("W2"):
+            grown.zero_()
+        grown.narrow(axis, 0, v.shape[axis]).copy_(v)
+        out[name] = grown
+    return out

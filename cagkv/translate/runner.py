@@ -25,7 +25,7 @@ import torch
 from cagkv.errors import UsageError
 from cagkv.translate.artifact import save_artifact
 from cagkv.translate.corpus import SPLIT_VERSION, load_documents, make_samples, split_by_document
-from cagkv.translate.mot import MoTTranslator
+from cagkv.translate.mot import MoTTranslator, grown_state
 from cagkv.translate.pairs import PairSet, build_pairs
 from cagkv.translate.train import (
     STAGES,
@@ -141,8 +141,10 @@ def start_from_artifact(path: str, source: Any, target: Any,
                         mot_cfg: Any) -> tuple[MoTTranslator, dict[str, Any], dict[str, Any]]:
     """`init=PATH`: a translator shaped by `mot_cfg` (the mixture) whose linear path, replay
     heads and normalisation statistics are those of the translator at PATH (same source and
-    target, checked by fingerprint). A mixture of another shape starts with zero output
-    heads, so the new translator starts out computing exactly what PATH computes.
+    target, checked by fingerprint). A mixture grown from PATH's (wider experts, more
+    `blocks`) starts from PATH's weights (`mot.grown_state`); one of another shape starts
+    with zero output heads. Either way the new translator starts out computing exactly
+    what PATH computes.
     Returns (translator, the "start" stage record, PATH's card)."""
     from cagkv.translate.artifact import load_translator
 
@@ -152,7 +154,7 @@ def start_from_artifact(path: str, source: Any, target: Any,
                               skip_rank=old.skip_rank, boundaries=old.boundaries, boundary_rank=old.boundary_rank)
     mot = MoTTranslator(cfg)
     own = mot.state_dict()
-    copied = {k: v for k, v in start.model.state_dict().items() if k in own and own[k].shape == v.shape}
+    copied = grown_state(mot, start.model.state_dict())
     mot.load_state_dict(copied, strict=False)
     if "head_w" not in copied:
         with torch.no_grad():

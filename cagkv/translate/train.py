@@ -64,6 +64,7 @@ class TrainConfig:
     d_model: int = 128
     d_expert: int = 256
     group_size: int = 3
+    blocks: int = 1  # rounds of (sequence mixing + experts) per group
     mixing: str = "conv+attn"
     steps_regression: int = 0
     steps_attention: int = 0
@@ -110,7 +111,7 @@ def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) 
         tgt_head_dim=t.head_dim, tgt_embed_dim=int(target.config.hidden_size),
         layer_map=layer_map(s.num_layers, t.num_layers, cfg.layer_nearest), exact_layers=[0],
         tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
-        experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, tgt_hidden=int(target.config.hidden_size),
+        experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, blocks=cfg.blocks, tgt_hidden=int(target.config.hidden_size),
         skip_rank=cfg.skip_rank, boundary_rank=cfg.boundary_rank,
         boundaries=sorted(set(cfg.boundaries) | {t.num_layers - r for r in cfg.replay if 0 < r < t.num_layers}),
     )

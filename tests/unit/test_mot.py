@@ -16,7 +16,7 @@ from cagkv.errors import TranslatorError  # noqa: E402
 from cagkv.translate import Translator, find_translator, list_translators, load_translator, save_artifact  # noqa: E402
 from cagkv.translate.features import TargetSide  # noqa: E402
 from cagkv.translate.layermap import layer_groups, layer_map  # noqa: E402
-from cagkv.translate.mot import MoTConfig, MoTTranslator  # noqa: E402
+from cagkv.translate.mot import MoTConfig, MoTTranslator, grown_state  # noqa: E402
 from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
 from cagkv.align import token_offsets  # noqa: E402
 
@@ -100,12 +100,38 @@ def test_single_expert_ablation_and_dispatch_equivalence() -> None:
     torch.testing.assert_close(mot(src, emb).y, a, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("grow", [{"d_expert": 20}, {"blocks": 3}, {"d_expert": 16, "blocks": 2}])
+def test_grown_translator_computes_what_it_grew_from_and_trains_its_new_part(grow: dict) -> None:
+    torch.manual_seed(0)
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), group_size=2, d_model=8, d_expert=8, experts=2, top_k=1)
+    small = MoTTranslator(cfg)
+    src, emb = torch.randn(2, 6, len(cfg.used_src) * 16), torch.randn(2, 6, 12)
+    big = MoTTranslator(MoTConfig.from_dict({**cfg.to_dict(), **grow}))
+    state = grown_state(big, small.state_dict())
+    assert big.load_state_dict(state, strict=False).unexpected_keys == []
+    before = small(src, emb)
+    after = big(src, emb)
+    torch.testing.assert_close(after.y, before.y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after.hidden, before.hidden, rtol=1e-5, atol=1e-6)
+    # what was grown gets gradients: the new hidden units' second layer, each new round's experts
+    after.y.square().mean().backward()
+    if "d_expert" in grow:
+        assert float(big.W2.grad[:, cfg.d_expert:].abs().sum()) > 0
+    for rnd in big.rounds:
+        assert float(rnd.W2.grad.abs().sum()) > 0 and float(rnd.mix[0].proj.weight.grad.abs().sum()) > 0
+    # a narrower translator cannot take the wider experts: those tensors are left out, not cut
+    if "d_expert" in grow:
+        assert "W1" not in grown_state(small, big.state_dict())
+
+
 def test_config_rejects_unknown_keys() -> None:
     cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1))
     with pytest.raises(ValueError, match="unknown translator config keys"):
         MoTConfig.from_dict({**cfg.to_dict(), "bogus": 1})
     with pytest.raises(ValueError, match="top_k"):
         MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), experts=2, top_k=3)
+    with pytest.raises(ValueError, match="blocks"):
+        MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), blocks=0)
 
 
 def test_artifact_round_trip_and_fingerprint_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
