@@ -335,3 +335,37 @@ def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     with pytest.raises(SystemExit, match="replay must be >= 0"):
         parse_mode("r=translate@-1")
     assert parse_mode("w=translate@window") == ("w", "mot-window", "", None)
+
+
+def test_oracle_layers_hybrid_takes_exactly_the_named_layers_and_parts() -> None:
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from oracle_layers import hybrid, hybrid_splits
+
+    splits = hybrid_splits([[1, 2], [3]], 4)
+    assert splits["g0"] == ([1, 2], "kv") and splits["g1"] == ([3], "kv")
+    assert splits["low0.33"] == ([0], "kv") and splits["high0.67"] == ([1, 2, 3], "kv")
+    assert splits["K"] == ([0, 1, 2, 3], "k") and splits["V"] == ([0, 1, 2, 3], "v")
+
+    def prepared(fill: float) -> SimpleNamespace:
+        layers = [SimpleNamespace(keys=torch.full((1, 2, 5, 4), fill + l), values=torch.full((1, 2, 5, 4), -fill - l))
+                  for l in range(4)]
+        return SimpleNamespace(cache=SimpleNamespace(layers=layers), next_position=5)
+
+    tr, nat = prepared(0.0), prepared(100.0)
+    mixed = hybrid(tr, nat, [1, 3], "k")
+    for l in range(4):
+        want_k = nat if l in (1, 3) else tr
+        assert torch.equal(mixed.cache.layers[l].keys, want_k.cache.layers[l].keys)
+        assert torch.equal(mixed.cache.layers[l].values, tr.cache.layers[l].values)
+    assert float(tr.cache.layers[1].keys[0, 0, 0, 0]) == 1.0  # the translated cache is left as it was
+    both = hybrid(tr, nat, [2], "kv")
+    assert torch.equal(both.cache.layers[2].values, nat.cache.layers[2].values)
+    nat.cache.layers[0].keys = torch.zeros(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="layer 0"):
+        hybrid(tr, nat, [0], "kv")

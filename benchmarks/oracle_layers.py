@@ -1,0 +1,168 @@
+"""Where does a translated cache lose the answer? Swap native K/V into it, layer set by layer set.
+
+For each question the target's cache is prepared twice over the same retrieved chunk, both
+in the layout of a translated cache (each chunk on its own, at the same positions):
+translated (`--translator`, replay 0) and recomputed by the target itself (replay L, every
+layer from its own embeddings: what a perfect translation would give, row `chunk_native`).
+So any set of layers can be taken from the one and the rest from the other. Scoring the gold answer over each such
+hybrid gives the answer log-prob recovery the translation would reach if those layers were
+perfect: the share of the gap that the translation error of those layers costs.
+
+Hybrids (`--splits`, default all): `g<i>` one translator layer group native; `low<f>` /
+`high<f>` the lowest / highest fraction f of the layers native; `K` / `V` every layer's keys
+/ values native. Prints a table and writes per-question rows plus recoveries with paired
+bootstrap intervals (`--out`).
+
+Example (the same 300 SQuAD questions and store as docs/results/squad300_smollm2_qwen25.json):
+    python benchmarks/oracle_layers.py --canonical smollm2-135m --target qwen2.5-0.5b \
+        --translator cagkv/translators/smollm2-135m__qwen2.5-0.5b --limit 300 --threads 1 \
+        --store ~/.cache/cagkv/runs/pareto300/store --out docs/results/oracle_layers_qwen25.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cagkv.eval.datasets import load_dataset
+from cagkv.eval.metrics import recovery, recovery_difference
+from cagkv.eval.runner import (
+    EvalConfig,
+    ModeRunner,
+    _default_engine_factory,
+    _default_store_factory,
+    answer_logprob,
+    ingest_contexts,
+)
+from cagkv.translate import load_translator
+
+FRACTIONS = (1 / 3, 2 / 3)
+
+
+def hybrid_splits(groups: list[list[int]], n_layers: int) -> dict[str, tuple[list[int], str]]:
+    """name -> (target layers taken from the native cache, which part: "kv" | "k" | "v")."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for i, layers in enumerate(groups):
+        out[f"g{i}"] = (list(layers), "kv")
+    for f in FRACTIONS:
+        cut = round(n_layers * f)
+        out[f"low{f:.2f}"] = (list(range(cut)), "kv")
+        out[f"high{f:.2f}"] = (list(range(n_layers - cut, n_layers)), "kv")
+    out["K"] = (list(range(n_layers)), "k")
+    out["V"] = (list(range(n_layers)), "v")
+    return out
+
+
+def hybrid(translated: Any, native: Any, layers: list[int], part: str) -> Any:
+    """A copy of the `translated` prepared cache with `layers`' keys and/or values from `native`."""
+    out = copy.copy(translated)
+    out.cache = copy.deepcopy(translated.cache)
+    for layer in layers:
+        dst, src = out.cache.layers[layer], native.cache.layers[layer]
+        if dst.keys.shape != src.keys.shape:
+            raise ValueError(f"layer {layer}: native {tuple(src.keys.shape)} vs translated {tuple(dst.keys.shape)}")
+        if "k" in part:
+            dst.keys = src.keys.clone()
+        if "v" in part:
+            dst.values = src.values.clone()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--canonical", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--translator", required=True, help="translator folder (scored at replay 0)")
+    p.add_argument("--dataset", default="../shared/data/squad_v1.1_dev_even_articles.jsonl")
+    p.add_argument("--limit", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store", default=None, help="eval store folder to reuse (as `cagkv eval --store`)")
+    p.add_argument("--splits", default="", help="comma-separated hybrid names (default: all)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    mot_cfg = load_translator(args.translator).model.cfg
+    config = EvalConfig(dataset=args.dataset, canonical=args.canonical, target=args.target, limit=args.limit,
+                        seed=args.seed, store=args.store, modes=["none", "native", "tr", "chunk_native"],
+                        variants={"tr": f"{args.translator}@0", "chunk_native": f"{args.translator}@{mot_cfg.tgt_layers}"})
+    examples = load_dataset(config.dataset, config.limit, config.seed, config.max_context_chars)
+    workdir = Path(args.store).expanduser() if args.store else Path(f"/tmp/cagkv-oracle-{args.seed}")
+    store = _default_store_factory(config)(workdir / "store")
+    runner = ModeRunner(_default_engine_factory(config)(store), config)
+    splits = hybrid_splits(mot_cfg.groups, mot_cfg.tgt_layers)
+    if args.splits:
+        wanted = args.splits.split(",")
+        unknown = [s for s in wanted if s not in splits]
+        if unknown:
+            raise SystemExit(f"unknown splits {unknown}; known: {sorted(splits)}")
+        splits = {s: splits[s] for s in wanted}
+
+    rows: list[dict[str, Any]] = []
+    doc_ids: dict[str, str] = {}
+    t0 = time.time()
+    for n, ex in enumerate(examples, 1):
+        if ex.context not in doc_ids:
+            doc_ids[ex.context] = ingest_contexts(store, [ex.context], config)[0]
+        restrict = [doc_ids[ex.context]]
+        prepared = {m: runner.prepare(m, ex.question, restrict)[1] for m in config.modes}
+        nat, tr = prepared["chunk_native"], prepared["tr"]
+        if nat.next_position != tr.next_position or nat.prompt_ids != tr.prompt_ids:
+            raise SystemExit(f"{ex.id}: the two caches differ in shape; cannot mix them")
+        row = {"id": ex.id, **{m: answer_logprob(pr, ex.answers[0]) for m, pr in prepared.items()}}
+        for name, (layers, part) in splits.items():
+            row[name] = answer_logprob(hybrid(tr, nat, layers, part), ex.answers[0])
+        rows.append(row)
+        if n % 25 == 0 or n == len(examples):  # a run cut short keeps what it measured
+            summary = write_report(args, mot_cfg.groups, splits, rows, time.time() - t0)
+            print(f"{n}/{len(examples)} questions, {time.time() - t0:.0f}s", flush=True)
+    print_table(summary)
+
+
+def write_report(args: argparse.Namespace, groups: list[list[int]], splits: dict[str, tuple[list[int], str]],
+                 rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    def triple(iv: Any) -> list[float | None]:
+        return [None if not math.isfinite(x) else round(x, 4) for x in (iv.value, iv.lo, iv.hi)]
+
+    def col(name: str) -> list[float | None]:
+        return [None if r[name] is None or math.isnan(r[name]) else r[name] for r in rows]
+
+    none, native, tr_col = col("none"), col("native"), col("tr")
+    summary: dict[str, Any] = {"tr": triple(recovery(tr_col, none, native)),
+                               "chunk_native": triple(recovery(col("chunk_native"), none, native))}
+    for name, (layers, part) in splits.items():
+        summary[name] = {
+            "native_layers": layers, "part": part,
+            "recovery": triple(recovery(col(name), none, native)),
+            "gain_over_translated": triple(recovery_difference(col(name), tr_col, none, native)),
+        }
+    report = {"config": {**vars(args), "out": str(args.out), "n": len(rows), "groups": groups,
+                         "seconds": round(seconds, 1)},
+              "summary": summary, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"answer log-prob recovery: translated (replay 0) {100 * summary['tr'][0]:.1f} %, "
+          f"every layer recomputed per chunk (replay L) {100 * summary['chunk_native'][0]:.1f} %")
+    print("| native part | layers | recovery | gain over translated |\n|---|---|---|---|")
+    for name, s in summary.items():
+        if name in ("tr", "chunk_native"):
+            continue
+        r, g = s["recovery"], s["gain_over_translated"]
+        print(f"| {name} ({s['part']}) | {s['native_layers'][0]}-{s['native_layers'][-1]} | {100 * r[0]:.1f} % "
+              f"[{100 * r[1]:.1f}, {100 * r[2]:.1f}] | {100 * g[0]:+.1f} [{100 * g[1]:+.1f}, {100 * g[2]:+.1f}] |")
+
+
+if __name__ == "__main__":
+    main()
