@@ -76,6 +76,7 @@ class TrainConfig:
     aux_weight: float = 0.01
     anchor_weight: float = 0.05  # regression term kept during stages 2-3
     kl_positions: int = 16
+    key_weight: float = 0.0  # e2e: weight of the attention KL of native queries over translated vs native keys
     answer_weight: float = 1.0  # e2e KL: the answer tokens' share, against 1 for the document-changed tokens
     topk: int = 32
     eval_samples: int = 10
@@ -274,6 +275,26 @@ class Trainer:
             losses.append(((o_tr - o_nat) ** 2).sum() / (o_nat ** 2).sum().clamp(min=1e-8))
         return torch.stack(losses).mean()
 
+    def key_attention_loss(self, keys: torch.Tensor, rec: dict[str, Any], b: int, j: int) -> torch.Tensor:
+        """KL of the target's native queries' attention (continuation j's kept positions) over
+        prefix + native chunk keys against prefix + translated keys, mean over translated
+        layers, heads and queries: a loss on the keys alone (E29: the keys hold the error)."""
+        spec = self.target.spec
+        n = int(rec["tgt_ids"].numel())
+        pos = torch.arange(self.P + n)
+        q_all = rec[f"c{j}_q"].float()  # [L, Hq, C, D], RoPE applied
+        losses = []
+        for l in self.mot.cfg.translated:
+            pre = self.pairs.prefix_k[l].float()  # [H, P, D]
+            k_nat = rotate(torch.cat([pre, rec["tgt_k"][l].float()], 1), pos, spec.rope[l])  # [H, P+T, D]
+            k_tr = rotate(torch.cat([pre, keys[b, l, :, :n]], 1), pos, spec.rope[l])
+            rep = q_all.shape[1] // k_nat.shape[0]
+            scale = self.ts.layers[l].self_attn.scaling
+            lp_nat = torch.log_softmax(q_all[l] @ k_nat.repeat_interleave(rep, 0).transpose(1, 2) * scale, -1)
+            lp_tr = torch.log_softmax(q_all[l] @ k_tr.repeat_interleave(rep, 0).transpose(1, 2) * scale, -1)
+            losses.append((lp_nat.exp() * (lp_nat - lp_tr)).sum(-1).mean())
+        return torch.stack(losses).mean()
+
     def stage_attention(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
         for step in range(start, steps):
             recs = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(max(1, self.cfg.batch // 2))]
@@ -329,6 +350,10 @@ class Trainer:
                 kl = self.e2e_loss(keys, values, rec, 0, j)
                 reg = self.regression_loss(keys, values, bt) if anchor else kl.new_zeros(())
                 total = kl + self.cfg.anchor_weight * reg + self.cfg.aux_weight * out.aux_loss
+                if anchor and self.cfg.key_weight > 0:
+                    key = self.key_attention_loss(keys, rec, 0, j)
+                    total = total + self.cfg.key_weight * key
+                    stats["key"] = stats.get("key", 0.0) + key.item() / self.cfg.e2e_accum
                 (total / self.cfg.e2e_accum).backward()
                 stats["loss"] += kl.item() / self.cfg.e2e_accum
                 stats["reg"] += reg.item() / self.cfg.e2e_accum

@@ -350,3 +350,20 @@ def test_a_bigger_run_extends_the_pair_folder_a_smaller_one_wrote(tmp_path: Path
     assert held.files[: len(held_few)] == held_few.files
     tr_again, held_again, _ = runner.prepare_pairs(src, tgt, TrainConfig(samples=4, **cfg))
     assert list(tr_again.files) + list(held_again.files) == first and sum(built) == 9  # reads the first files only
+
+
+def test_key_attention_loss_is_zero_on_native_keys_and_the_e2e_term_lowers_it(pairs: PairSet) -> None:
+    rec = next(r for r in pairs if r["kinds"])
+    tr = _trainer(pairs, key_weight=100.0, lr_e2e=3e-3, anchor_weight=0.0)
+    native = rec["tgt_k"].float()[None]  # [1, L, H, T, D]: what a perfect translation gives
+    assert float(tr.key_attention_loss(native, rec, 0, 0)) == pytest.approx(0.0, abs=1e-5)
+
+    def on_translated_keys() -> float:
+        with torch.no_grad():
+            keys, _, _ = tr.translate_batch(tr.batch([rec]))
+            return float(torch.stack([tr.key_attention_loss(keys, rec, 0, j) for j in range(len(rec["kinds"]))]).mean())
+
+    before = on_translated_keys()
+    assert before > 1e-4
+    tr.stage_e2e(15, make_optimizer(tr.mot, "e2e", tr.cfg))
+    assert on_translated_keys() < before * 0.9
