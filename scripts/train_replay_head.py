@@ -7,8 +7,8 @@ Loads a translator (default: the shipped smollm2-135m -> gemma3-270m one), evalu
 held-out probe with replay R, trains only that replay head (`Trainer.stage_boundary`: KL of
 the frozen target's continuations after replaying its top R layers; the linear path and
 the mixture stay as they are) for MINUTES or N steps, whichever ends first, evaluates
-again and writes the artifact (int8 linear paths) to OUT_DIR. PAIRS_DIR: the paired training data of `cagkv train` (default:
-the staged run's, under $CAGKV_HOME/pairs). `--from-expert`: the head also reads the
+again and writes the artifact (int8 linear paths) to OUT_DIR. PAIRS_DIR: the paired
+training data of `cagkv train` (default: the staged run's, under $CAGKV_HOME/pairs). `--from-expert`: the head also reads the
 expert's hidden state of its layer's group (`MoTConfig.boundary_from_expert`; the new
 read-out starts at zero, so the first evaluation equals the plain head's).
 """

@@ -522,7 +522,7 @@ def grown_state(new: MoTTranslator, old: dict[str, torch.Tensor]) -> dict[str, t
         axis = _HIDDEN_AXIS.get(name.rsplit(".", 1)[-1])
         if axis is None or mine.dim() != v.dim() or mine.shape[axis] < v.shape[axis]:
             continue
-        if [a for i, (a, b) in enumerate(zip(mine.shape, v.shape)) if a != b and i != mine.dim() + axis]:
+        if any(a != b for i, (a, b) in enumerate(zip(mine.shape, v.shape)) if i != mine.dim() + axis):
             continue
         grown = mine.clone()
         if name.endswith("W2"):

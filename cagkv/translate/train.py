@@ -252,6 +252,12 @@ class Trainer:
                 break
 
     # ------------------------------------------------------------------ stage 2
+    def attention_scores(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
+        """Scaled scores `[Hq, C, T]` of queries `q [Hq, C, D]` over keys `k [H, T, D]` (both
+        rotated) in one target layer, each KV head shared by its group of query heads."""
+        rep = q.shape[0] // k.shape[0]
+        return q @ k.repeat_interleave(rep, 0).transpose(1, 2) * self.ts.layers[layer].self_attn.scaling
+
     def attention_loss(self, keys: torch.Tensor, values: torch.Tensor, rec: dict[str, Any], b: int) -> torch.Tensor:
         """Relative error of per-layer attention outputs over chunk K/V under native queries."""
         spec, cfg = self.target.spec, self.mot.cfg
@@ -263,15 +269,14 @@ class Trainer:
         q_all = rec[f"c{j}_q"].float()  # [L, Hq, C, D]
         losses = []
         for l in cfg.translated:
-            attn = self.ts.layers[l].self_attn
             q = q_all[l]
             k_nat = rotate(rec["tgt_k"][l].float(), pos, spec.rope[l])  # [H, T, D]
             v_nat = rec["tgt_v"][l].float()
             k_tr = rotate(keys[b, l, :, :n], pos, spec.rope[l])
             v_tr = values[b, l, :, :n]
             rep = q.shape[0] // k_nat.shape[0]
-            o_nat = torch.softmax(q @ k_nat.repeat_interleave(rep, 0).transpose(1, 2) * attn.scaling, -1) @ v_nat.repeat_interleave(rep, 0)
-            o_tr = torch.softmax(q @ k_tr.repeat_interleave(rep, 0).transpose(1, 2) * attn.scaling, -1) @ v_tr.repeat_interleave(rep, 0)
+            o_nat = torch.softmax(self.attention_scores(q, k_nat, l), -1) @ v_nat.repeat_interleave(rep, 0)
+            o_tr = torch.softmax(self.attention_scores(q, k_tr, l), -1) @ v_tr.repeat_interleave(rep, 0)
             losses.append(((o_tr - o_nat) ** 2).sum() / (o_nat ** 2).sum().clamp(min=1e-8))
         return torch.stack(losses).mean()
 
@@ -288,10 +293,8 @@ class Trainer:
             pre = self.pairs.prefix_k[l].float()  # [H, P, D]
             k_nat = rotate(torch.cat([pre, rec["tgt_k"][l].float()], 1), pos, spec.rope[l])  # [H, P+T, D]
             k_tr = rotate(torch.cat([pre, keys[b, l, :, :n]], 1), pos, spec.rope[l])
-            rep = q_all.shape[1] // k_nat.shape[0]
-            scale = self.ts.layers[l].self_attn.scaling
-            lp_nat = torch.log_softmax(q_all[l] @ k_nat.repeat_interleave(rep, 0).transpose(1, 2) * scale, -1)
-            lp_tr = torch.log_softmax(q_all[l] @ k_tr.repeat_interleave(rep, 0).transpose(1, 2) * scale, -1)
+            lp_nat = torch.log_softmax(self.attention_scores(q_all[l], k_nat, l), -1)
+            lp_tr = torch.log_softmax(self.attention_scores(q_all[l], k_tr, l), -1)
             losses.append((lp_nat.exp() * (lp_nat - lp_tr)).sum(-1).mean())
         return torch.stack(losses).mean()
 
