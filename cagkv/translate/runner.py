@@ -142,9 +142,10 @@ def start_from_artifact(path: str, source: Any, target: Any,
     """`init=PATH`: a translator shaped by `mot_cfg` (the mixture) whose linear path, replay
     heads and normalisation statistics are those of the translator at PATH (same source and
     target, checked by fingerprint). A mixture grown from PATH's (wider experts, more
-    `blocks`) starts from PATH's weights (`mot.grown_state`); one of another shape starts
-    with zero output heads. Either way the new translator starts out computing exactly
-    what PATH computes.
+    `blocks`) starts from PATH's weights (`mot.grown_state`) and computes exactly what PATH
+    computes. One whose output heads no longer fit (another `d_model`) starts with zero
+    heads, so equal too. A narrower mixture (smaller `d_expert`, fewer `blocks`) keeps
+    PATH's heads over fresh experts and does not start equal.
     Returns (translator, the "start" stage record, PATH's card)."""
     from cagkv.translate.artifact import load_translator
 
