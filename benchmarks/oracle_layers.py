@@ -10,7 +10,8 @@ perfect: the share of the gap that the translation error of those layers costs.
 
 Hybrids (`--splits`, default all): `g<i>` one translator layer group native; `low<f>` /
 `high<f>` the lowest / highest fraction f of the layers native; `K` / `V` every layer's keys
-/ values native. Prints a table and writes per-question rows plus recoveries with paired
+/ values native; `l5+11` / `k5+11` / `v5+11` the K/V, keys or values of the named layers
+native (any layer set). Prints a table and writes per-question rows plus recoveries with paired
 bootstrap intervals (`--out`).
 
 Example (the same 300 SQuAD questions and store as docs/results/squad300_smollm2_qwen25.json):
@@ -25,6 +26,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,17 @@ def hybrid_splits(groups: list[list[int]], n_layers: int) -> dict[str, tuple[lis
     out["K"] = (list(range(n_layers)), "k")
     out["V"] = (list(range(n_layers)), "v")
     return out
+
+
+def layer_set_split(name: str, n_layers: int) -> tuple[list[int], str] | None:
+    """`l5+11` -> ([5, 11], "kv"); `k5` -> ([5], "k"); `v…` values; None if `name` is not of that form."""
+    m = re.fullmatch(r"([lkv])(\d+(?:\+\d+)*)", name)
+    if m is None:
+        return None
+    layers = sorted({int(x) for x in m.group(2).split("+")})
+    if layers[-1] >= n_layers:
+        raise ValueError(f"split {name!r}: the target has layers 0..{n_layers - 1}")
+    return layers, {"l": "kv", "k": "k", "v": "v"}[m.group(1)]
 
 
 def hybrid(translated: Any, native: Any, layers: list[int], part: str) -> Any:
@@ -101,10 +114,11 @@ def main() -> None:
     splits = hybrid_splits(mot_cfg.groups, mot_cfg.tgt_layers)
     if args.splits:
         wanted = args.splits.split(",")
-        unknown = [s for s in wanted if s not in splits]
+        named = {s: splits.get(s) or layer_set_split(s, mot_cfg.tgt_layers) for s in wanted}
+        unknown = [s for s, v in named.items() if v is None]
         if unknown:
-            raise SystemExit(f"unknown splits {unknown}; known: {sorted(splits)}")
-        splits = {s: splits[s] for s in wanted}
+            raise SystemExit(f"unknown splits {unknown}; known: {sorted(splits)}, or layer sets like l5+11, k5, v5")
+        splits = named
 
     rows: list[dict[str, Any]] = []
     doc_ids: dict[str, str] = {}
@@ -159,8 +173,9 @@ def print_table(summary: dict[str, Any]) -> None:
     for name, s in summary.items():
         if name in ("tr", "chunk_native"):
             continue
-        r, g = s["recovery"], s["gain_over_translated"]
-        print(f"| {name} ({s['part']}) | {s['native_layers'][0]}-{s['native_layers'][-1]} | {100 * r[0]:.1f} % "
+        r, g, ls = s["recovery"], s["gain_over_translated"], s["native_layers"]
+        span = f"{ls[0]}-{ls[-1]}" if ls == list(range(ls[0], ls[-1] + 1)) else "+".join(map(str, ls))
+        print(f"| {name} ({s['part']}) | {span} | {100 * r[0]:.1f} % "
               f"[{100 * r[1]:.1f}, {100 * r[2]:.1f}] | {100 * g[0]:+.1f} [{100 * g[1]:+.1f}, {100 * g[2]:+.1f}] |")
 
 

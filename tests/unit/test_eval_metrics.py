@@ -345,12 +345,16 @@ def test_oracle_layers_hybrid_takes_exactly_the_named_layers_and_parts() -> None
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from oracle_layers import hybrid, hybrid_splits
+    from oracle_layers import hybrid, hybrid_splits, layer_set_split
 
     splits = hybrid_splits([[1, 2], [3]], 4)
     assert splits["g0"] == ([1, 2], "kv") and splits["g1"] == ([3], "kv")
     assert splits["low0.33"] == ([0], "kv") and splits["high0.67"] == ([1, 2, 3], "kv")
     assert splits["K"] == ([0, 1, 2, 3], "k") and splits["V"] == ([0, 1, 2, 3], "v")
+    assert layer_set_split("l3+1", 4) == ([1, 3], "kv") and layer_set_split("k2", 4) == ([2], "k")
+    assert layer_set_split("v0+0", 4) == ([0], "v") and layer_set_split("g0", 4) is None
+    with pytest.raises(ValueError, match="0..3"):
+        layer_set_split("l4", 4)
 
     def prepared(fill: float) -> SimpleNamespace:
         layers = [SimpleNamespace(keys=torch.full((1, 2, 5, 4), fill + l), values=torch.full((1, 2, 5, 4), -fill - l))
