@@ -24,7 +24,8 @@ def train_cmd(
     init: str = typer.Option("ridge", "--init", help="random; ridge: start from the closed-form ridge map; "
                              "or a translator folder: start from its linear path and replay heads."),
     train_only: str = typer.Option("", "--train-only",
-                                   help="mixture: train only the mixture (linear path and replay heads frozen)."),
+                                   help="mixture: train only the mixture (linear path and replay heads frozen); "
+                                   "streams: only the layer streams (config layer_streams)."),
     skip_rank: int = typer.Option(128, "--skip-rank", help="Rank of the per-layer linear path (0: none)."),
     method: str = typer.Option("staged", "--method",
                                help="staged: pairs + regression/attention/e2e stages; ridge: streaming closed-form fit."),

@@ -13,6 +13,7 @@ Per layer group g (consecutive target layers sharing one block):
     h_g += sum_{top-k e} gate_e * expert_{g,e}(h_g)            (router, top-k, balance loss)
     (repeated `blocks` times: each further round of mixing + experts starts as the identity)
     y_l = head_l(norm(h_g)) for target layers l in g           [B, T, 2 * kv_heads * head_dim]
+    y_l += stream_l(src, emb, h_g)   for l in `layer_streams`  (a layer's own path, see LayerStream)
 
 `y` is in normalised units (per layer/channel target stats); `decode` turns it into keys
 and values. Keys of targets with a k-norm are produced *before* the norm, and the target's
@@ -38,7 +39,7 @@ from cagkv.config import strict_from_dict
 from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
 from cagkv.translate.layermap import layer_groups, used_source_layers
 
-__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank", "with_expert_fed_heads", "grown_state"]
+__all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank", "with_expert_fed_heads", "grown_state", "LayerStream"]
 
 MIXING = ("none", "conv", "attn", "conv+attn")
 
@@ -72,6 +73,8 @@ class MoTConfig:
     blocks: int = 1  # rounds of (sequence mixing + expert mixture) per group
     dispatch: str = "auto"
     skip_rank: int = 0  # >0: a low-rank linear path per layer (initialised from ridge), MoT adds to it
+    layer_streams: list[int] = field(default_factory=list)  # target layers with a path of their own (LayerStream)
+    stream_d: int = 256
 
     def __post_init__(self) -> None:
         if self.mixing not in MIXING:
@@ -87,6 +90,9 @@ class MoTConfig:
             raise ValueError(f"boundaries must lie in 1..{self.tgt_layers - 1}, got {bad}")
         if self.boundaries and self.tgt_hidden < 1:
             raise ValueError("boundaries need tgt_hidden (the target's hidden size)")
+        bad = [l for l in self.layer_streams if l not in self.translated]
+        if bad:
+            raise ValueError(f"layer_streams must be translated target layers, got {bad}")
 
     # derived ---------------------------------------------------------------------
     @property
@@ -249,6 +255,36 @@ class MixBlock(nn.Module):
         return h
 
 
+class LayerStream(nn.Module):
+    """A path of one target layer's own, for layers whose K/V need more than the state they
+    share with their group (Gemma-3's full-attention layers, E29b/E31): its mapped source
+    layers' features + the target embedding + the group's state -> sequence mixing -> an MLP
+    -> K|V, added to the layer's head output. The output projection starts at zero, so a
+    translator given streams (`--init`) computes what it did before."""
+
+    def __init__(self, cfg: MoTConfig, n_features: int) -> None:
+        super().__init__()
+        d = cfg.stream_d
+        self.in_proj = nn.Linear(n_features, d)
+        self.emb_proj = nn.Linear(cfg.tgt_embed_dim, d, bias=False)
+        self.group_proj = nn.Linear(cfg.d_model, d, bias=False)
+        self.mix = MixBlock(d, cfg.conv_kernel, cfg.attn_heads, cfg.mixing)
+        self.mlp_norm = RMSNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.out_norm = RMSNorm(d)
+        self.out = nn.Linear(d, 2 * cfg.tgt_kv_dim)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, group_state: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, n_features]` normalised source features, emb `[B, T, E]` normalised
+        embedding, group_state `[B, T, d_model]` normalised -> `[B, T, 2kv]`."""
+        h = self.mix(self.in_proj(x) + self.emb_proj(emb) + self.group_proj(group_state))
+        h = h + self.down(F.gelu(self.up(self.mlp_norm(h))))
+        return self.out(self.out_norm(h))
+
+
 class MixtureRound(nn.Module):
     """A further round of sequence mixing + expert mixture over every group's state, added
     by `MoTConfig.blocks` > 1. Its residual branches start at zero (conv, attention output,
@@ -319,6 +355,11 @@ class MoTTranslator(nn.Module):
         self.head_w = nn.Parameter(torch.randn(n_tr, d, kv2) / math.sqrt(d))
         self.head_b = nn.Parameter(torch.zeros(n_tr, kv2))
         self.boundary = nn.ModuleDict({str(b): BoundaryHead(cfg, b) for b in cfg.boundaries})
+        self.streams = nn.ModuleDict()
+        for l in cfg.layer_streams:
+            cols = torch.cat([torch.arange(pos[s] * feat, (pos[s] + 1) * feat) for s in cfg.layer_map[l]])
+            self.register_buffer(f"stream_cols_{l}", cols, persistent=False)
+            self.streams[str(l)] = LayerStream(cfg, cols.numel())
         if cfg.skip_rank > 0:
             # per translated layer: [its mapped source layers' features | normalised embedding] -> K|V
             skip_cols = torch.stack([
@@ -357,9 +398,21 @@ class MoTTranslator(nn.Module):
             w, bias = self.head_w[idx], self.head_b[idx]  # [n, d, 2kv], [n, 2kv]
             ys.append(torch.einsum("btd,ndo->bnto", hn, w) + bias[None, :, None, :])
         y = torch.cat(ys, dim=1)  # [B, Lt, T, 2kv]
+        if cfg.layer_streams:
+            y = y + self._streams(x, emb, h, y)
         if cfg.skip_rank > 0:
             y = y + self.skip(x, emb)
         return MoTOutput(y=y, aux_loss=aux, expert_load=load.detach(), hidden=h)
+
+    def _streams(self, x: torch.Tensor, emb: torch.Tensor, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The layer streams' outputs, zero on the other layers, `[B, Lt, T, 2kv]` like `y`."""
+        cfg, extra = self.cfg, torch.zeros_like(y)
+        e = self.emb_norm(emb)
+        for l in cfg.layer_streams:
+            g = next(i for i, layers in enumerate(cfg.groups) if l in layers)
+            feats = gather_blocks(x, getattr(self, f"stream_cols_{l}"), 2 * cfg.src_kv_dim)
+            extra[:, cfg.translated.index(l)] = self.streams[str(l)](feats, e, self.head_norm[g](h[g]))
+        return extra
 
     def _experts(self, h: torch.Tensor, keep: torch.Tensor, router_norm: nn.ModuleList, router: nn.ModuleList,
                  weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

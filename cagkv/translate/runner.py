@@ -31,7 +31,7 @@ from cagkv.translate.train import (
     STAGES,
     Trainer,
     TrainConfig,
-    freeze_linear,
+    freeze_for,
     make_mot_config,
     make_optimizer,
     stage_steps,
@@ -261,8 +261,8 @@ def run_training(source_name: str, target_name: str, cfg: TrainConfig, progress:
             state["stages"].append({"name": "ridge_init", "lambda": cfg.ridge_lambda, "rank": cfg.skip_rank,
                                     "energy_kept": round(kept, 4), "wall_s": round(time.time() - t_r, 1)})
             torch.save({"model": mot.state_dict(), "stage": None, "step": 0, "state": state}, ckpt_path)
-    if cfg.train_only == "mixture":
-        _say(f"train only the mixture: {freeze_linear(mot)} trainable parameters")
+    if cfg.train_only:
+        _say(f"train only the {cfg.train_only}: {freeze_for(mot, cfg.train_only)} trainable parameters")
     steps = stage_steps(cfg) if cfg.method != "ridge" else {s: 0 for s in STAGES}
     for stage in STAGES:
         if stage in state["done"] or steps[stage] <= 0:

@@ -87,7 +87,10 @@ class TrainConfig:
     stage_minutes: dict[str, float] = field(default_factory=dict)  # per-stage wall budgets
     skip_rank: int = 128  # >0: low-rank linear path per layer
     init: str = "ridge"  # "ridge": closed-form ridge start (needs skip_rank); "random"; or a translator folder
-    train_only: str = ""  # "mixture": gradient stages leave the linear path and replay heads as they are
+    train_only: str = ""  # "mixture": gradient stages leave the linear path and replay heads as they are;
+    # "streams": they train only the layer streams
+    layer_streams: list[int] = field(default_factory=list)  # target layers given a path of their own
+    stream_d: int = 256
     ridge_lambda: float = 30.0
     method: str = "staged"  # "staged": pairs + stages; "ridge": streaming closed-form fit (ridge.py)
     ridge_texts: int = 0  # "ridge": chunks streamed (0: as many as the corpora give)
@@ -113,7 +116,8 @@ def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) 
         layer_map=layer_map(s.num_layers, t.num_layers, cfg.layer_nearest), exact_layers=[0],
         tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
         experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, blocks=cfg.blocks, tgt_hidden=int(target.config.hidden_size),
-        skip_rank=cfg.skip_rank, boundary_rank=cfg.boundary_rank,
+        skip_rank=cfg.skip_rank, boundary_rank=cfg.boundary_rank, layer_streams=list(cfg.layer_streams),
+        stream_d=cfg.stream_d,
         boundaries=sorted(set(cfg.boundaries) | {t.num_layers - r for r in cfg.replay if 0 < r < t.num_layers}),
     )
 
@@ -487,16 +491,21 @@ def stage_steps(cfg: TrainConfig) -> dict[str, int]:
     return {"regression": cfg.steps_regression, "attention": cfg.steps_attention, "e2e": cfg.steps_e2e}
 
 
-TRAIN_ONLY = ("", "mixture")
+TRAIN_ONLY = ("", "mixture", "streams")
 LINEAR_PARAMS = ("skip_a", "skip_b", "skip_bias", "boundary.")
 
 
-def freeze_linear(mot: MoTTranslator) -> int:
+def freeze_for(mot: MoTTranslator, train_only: str) -> int:
     """`train_only="mixture"`: stop gradients into the linear path and the replay heads
-    (the closed-form part), so the gradient stages train only the mixture. Returns the
-    number of parameters left trainable."""
+    (the closed-form part), so the gradient stages train only the mixture; `"streams"`:
+    into everything but the layer streams. Returns the number of parameters left trainable."""
+    if train_only not in TRAIN_ONLY:
+        raise ValueError(f"train_only must be one of {TRAIN_ONLY}, got {train_only!r}")
+    if train_only == "streams" and not mot.cfg.layer_streams:
+        raise ValueError("train_only='streams' needs layer_streams")
     for name, p in mot.named_parameters():
-        if name.startswith(LINEAR_PARAMS):
+        if (train_only == "mixture" and name.startswith(LINEAR_PARAMS)) or \
+                (train_only == "streams" and not name.startswith("streams.")):
             p.requires_grad_(False)
     return sum(p.numel() for p in mot.parameters() if p.requires_grad)
 

@@ -251,7 +251,7 @@ def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairS
 
     from cagkv.translate.artifact import save_artifact
     from cagkv.translate.runner import start_from_artifact
-    from cagkv.translate.train import freeze_linear
+    from cagkv.translate.train import freeze_for
 
     base = _trainer(pairs, skip_rank=8, experts=1, top_k=1, d_model=8, d_expert=8, boundaries=[4], boundary_rank=4)
     base.mot.init_skip_from_ridge(fit_ridge(base, lam=1.0).ridge_w)
@@ -276,7 +276,7 @@ def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairS
         torch.testing.assert_close(mot.boundary_hidden(bt["src"], emb, 4), base.mot.boundary_hidden(bt["src"], emb, 4),
                                    atol=2e-2, rtol=2e-2)
 
-    trainable = freeze_linear(mot)
+    trainable = freeze_for(mot, "mixture")
     assert 0 < trainable < sum(p.numel() for p in mot.parameters())
     frozen = {k: v.clone() for k, v in mot.state_dict().items() if k.startswith(("skip_", "boundary."))}
     head = mot.head_w.clone()
@@ -285,6 +285,45 @@ def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairS
     for k, v in mot.state_dict().items():
         if k in frozen:
             assert torch.equal(v, frozen[k]), k
+
+
+def test_layer_streams_start_as_the_artifact_and_train_alone(pairs, tmp_path) -> None:
+    import dataclasses
+
+    from cagkv.translate.artifact import save_artifact
+    from cagkv.translate.runner import start_from_artifact
+    from cagkv.translate.train import freeze_for
+
+    base = _trainer(pairs, skip_rank=8, experts=1, top_k=1, d_model=8, d_expert=8)
+    card = {"source": {"fingerprint": base.source.fingerprint}, "target": {"fingerprint": base.target.fingerprint}}
+    folder = save_artifact(tmp_path / "start", base.mot, card)
+    layer = base.mot.cfg.translated[-1]
+    with pytest.raises(ValueError, match="layer_streams"):
+        dataclasses.replace(base.mot.cfg, layer_streams=[0])  # layer 0 is computed exactly, not translated
+    with_streams = dataclasses.replace(base.mot.cfg, layer_streams=[layer], stream_d=16)
+    mot, info, _ = start_from_artifact(str(folder), base.source, base.target, with_streams)
+    assert info["tensors_fresh"] > 0 and str(layer) in mot.streams
+    tr = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=mot)
+    bt = tr.batch([pairs[0], pairs[1]])
+    emb = tr.ts.embed(bt["ids"]).float()
+    with torch.no_grad():  # a zero output projection: the start computes what the artifact computes
+        torch.testing.assert_close(mot(bt["src"], emb, bt["mask"]).y, base.mot(bt["src"], emb, bt["mask"]).y,
+                                   atol=2e-2, rtol=2e-2)
+
+    with pytest.raises(ValueError, match="needs layer_streams"):
+        freeze_for(base.mot, "streams")
+    trainable = freeze_for(mot, "streams")
+    assert trainable == sum(p.numel() for p in mot.streams.parameters())
+    before = {k: v.clone() for k, v in mot.state_dict().items()}
+    with torch.no_grad():
+        y0 = mot(bt["src"], emb, bt["mask"]).y
+    tr.stage_e2e(3, make_optimizer(mot, "e2e", tr.cfg))
+    changed = {k for k, v in mot.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("streams.") for k in changed)
+    with torch.no_grad():  # only the streamed layer's K/V move
+        y1 = mot(bt["src"], emb, bt["mask"]).y
+    moved = [(y1[:, i] - y0[:, i]).abs().max().item() > 0 for i in range(y0.shape[1])]
+    assert moved == [l == layer for l in mot.cfg.translated]
 
 
 def test_heldout_documents_do_not_depend_on_the_sample_count() -> None:
