@@ -38,8 +38,8 @@ from cagkv.eval.metrics import recovery, recovery_difference
 from cagkv.eval.runner import (
     EvalConfig,
     ModeRunner,
-    _default_engine_factory,
-    _default_store_factory,
+    default_engine_factory,
+    default_store_factory,
     answer_logprob,
     ingest_contexts,
 )
@@ -109,8 +109,8 @@ def main() -> None:
                         variants={"tr": f"{args.translator}@0", "chunk_native": f"{args.translator}@{mot_cfg.tgt_layers}"})
     examples = load_dataset(config.dataset, config.limit, config.seed, config.max_context_chars)
     workdir = Path(args.store).expanduser() if args.store else Path(f"/tmp/cagkv-oracle-{args.seed}")
-    store = _default_store_factory(config)(workdir / "store")
-    runner = ModeRunner(_default_engine_factory(config)(store), config)
+    store = default_store_factory(config)(workdir / "store")
+    runner = ModeRunner(default_engine_factory(config)(store), config)
     splits = hybrid_splits(mot_cfg.groups, mot_cfg.tgt_layers)
     if args.splits:
         wanted = args.splits.split(",")

@@ -436,7 +436,9 @@ def _window_logits(runner: ModeRunner, mode: str, document_id: str, continuation
 # ---------------------------------------------------------------------- the run
 
 
-def _default_store_factory(config: EvalConfig) -> Callable[[Path], Any]:
+def default_store_factory(config: EvalConfig) -> Callable[[Path], Any]:
+    """`path -> CacheStore` for `config`'s canonical model (what `run_eval` uses unless given one)."""
+
     def make(path: Path) -> Any:
         from cagkv.ingest import parse_dtype
         from cagkv.models import load
@@ -449,7 +451,9 @@ def _default_store_factory(config: EvalConfig) -> Callable[[Path], Any]:
     return make
 
 
-def _default_engine_factory(config: EvalConfig) -> Callable[[Any], CAG]:
+def default_engine_factory(config: EvalConfig) -> Callable[[Any], CAG]:
+    """`store -> CAG` engine for `config` (what `run_eval` uses unless given one)."""
+
     def make(store: Any) -> CAG:
         from cagkv.pipeline import CAG
 
@@ -484,8 +488,8 @@ def run_eval(config: EvalConfig, progress: bool = True,
     partial_path = out.with_name(out.name + ".partial.jsonl") if out else None
     header = config.header()
     results = PartialResults.open(partial_path, header, final=out)
-    make_engine = engine_factory or _default_engine_factory(config)
-    make_store = store_factory or _default_store_factory(config)
+    make_engine = engine_factory or default_engine_factory(config)
+    make_store = store_factory or default_store_factory(config)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     todo = [(e, m) for e in examples for m in config.modes if (e.id, m) not in results.qa]
@@ -584,4 +588,5 @@ def command_line() -> str:
 
 
 __all__ = ["EvalConfig", "ModeRunner", "run_eval", "evaluate_example", "answer_logprob", "answer_ids",
-           "continuation_logits", "ingest_contexts", "PartialResults", "TIMING_KEYS"]
+           "continuation_logits", "ingest_contexts", "PartialResults", "TIMING_KEYS", "default_store_factory",
+           "default_engine_factory"]
