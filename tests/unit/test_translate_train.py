@@ -325,6 +325,18 @@ def test_layer_streams_start_as_the_artifact_and_train_alone(pairs, tmp_path) ->
     moved = [(y1[:, i] - y0[:, i]).abs().max().item() > 0 for i in range(y0.shape[1])]
     assert moved == [l == layer for l in mot.cfg.translated]
 
+    from cagkv.translate.artifact import load_translator
+
+    with torch.no_grad():  # a stream that matters, so that losing it on the way to disk would show
+        mot.streams[str(layer)].out.weight.normal_(0, 0.5)
+        y2 = mot(bt["src"], emb, bt["mask"]).y
+    assert (y2 - y1).abs().max() > 0.5
+    back = load_translator(save_artifact(tmp_path / "streams", mot, card), base.source.fingerprint,
+                           base.target.fingerprint).model
+    assert back.cfg.layer_streams == [layer]
+    with torch.no_grad():  # saved and loaded with the rest (float16 storage)
+        torch.testing.assert_close(back(bt["src"], emb, bt["mask"]).y, y2, atol=5e-2, rtol=2e-2)
+
 
 def test_heldout_documents_do_not_depend_on_the_sample_count() -> None:
     docs = [(f"doc{i}", " ".join(CORPUS[i % 5 : i % 5 + 4])) for i in range(40)]
