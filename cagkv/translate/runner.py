@@ -53,8 +53,18 @@ def _say(msg: str) -> None:
 def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, PairSet, dict[str, Any]]:
     if cfg.pairs_dir:
         return reuse_pairs(Path(cfg.pairs_dir).expanduser(), source, target)
-    docs = load_documents(cfg.corpora)
-    samples = make_samples(docs, cfg.samples, seed=cfg.seed, chars=tuple(cfg.chunk_chars), kinds=tuple(cfg.kinds))
+    extra: list[str] = []
+    if cfg.samples_file:
+        from cagkv.translate.selfqa import load_samples
+
+        path = Path(cfg.samples_file).expanduser()
+        if not path.is_file():
+            raise UsageError(f"samples_file {path}: no such file")
+        samples = load_samples(path)[: cfg.samples]
+        extra = [hashlib.sha256(path.read_bytes()).hexdigest()[:16]]
+    else:
+        docs = load_documents(cfg.corpora)
+        samples = make_samples(docs, cfg.samples, seed=cfg.seed, chars=tuple(cfg.chunk_chars), kinds=tuple(cfg.kinds))
     train_s, held_s = split_by_document(samples, cfg.heldout_share, seed=cfg.seed)
     # The sample count is not part of the key: make_samples draws a prefix-stable sequence and
     # the held-out split depends on the document alone, so a run with more samples extends the
@@ -62,7 +72,7 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
     # reads its first files. (Dropping it from the list already moved every folder to a new key.)
     key = hashlib.sha256(
         json.dumps([source.fingerprint, target.fingerprint, cfg.corpora, cfg.seed, cfg.topk, cfg.predict,
-                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION]).encode()
+                    cfg.kinds, cfg.chunk_chars, SPLIT_VERSION, *extra]).encode()
     ).hexdigest()[:12]
     base = _home() / "pairs" / f"{source.name}__{target.name}__{key}".replace("/", "_")
     for name, ss in (("heldout", held_s), ("train", train_s)):
@@ -74,7 +84,8 @@ def prepare_pairs(source: Any, target: Any, cfg: TrainConfig) -> tuple[PairSet, 
 
         build_pairs(source, target, ss, base / name, topk=cfg.topk, predict=cfg.predict, progress=prog)
     data = {
-        "corpora": cfg.corpora, "chunks_train": len(train_s), "chunks_heldout": len(held_s),
+        "corpora": cfg.corpora, **({"samples_file": str(cfg.samples_file)} if cfg.samples_file else {}),
+        "chunks_train": len(train_s), "chunks_heldout": len(held_s),
         "documents_train": len({s.source for s in train_s}), "documents_heldout": len({s.source for s in held_s}),
         "chars_train": sum(len(s.text) for s in train_s), "pairs_dir": str(base),
         "continuations": sorted({c.kind for s in samples for c in s.conts}),

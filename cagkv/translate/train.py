@@ -56,6 +56,7 @@ class TrainConfig:
     predict: int = 16  # teacher predictions kept per continuation (its last tokens)
     samples: int = 72
     pairs_dir: str = ""  # reuse the train/heldout pairs of an earlier run (its split) instead of building
+    samples_file: str = ""  # build the pairs from these samples (selfqa.save_samples JSON lines), not the corpora
     heldout_share: float = 0.1
     seed: int = 0
     layer_nearest: int = 2
