@@ -367,10 +367,12 @@ def evaluate_example(runner: ModeRunner, example: Example, mode: str, config: Ev
     }
 
 
-def warm_up(runner: ModeRunner, example: Example, config: EvalConfig, document_id: str) -> None:
-    """One untimed answer per mode, so model and translator loading are not counted as TTFT."""
+def warm_up(runner: ModeRunner, example: Example, config: EvalConfig, document_id: str,
+            modes: list[str] | None = None) -> None:
+    """One untimed answer per mode (default: every mode of the config), so model and
+    translator loading are not counted as TTFT."""
     restrict = [document_id] if config.retrieval == "oracle" else None
-    for mode in config.modes:
+    for mode in config.modes if modes is None else modes:
         engine, prepared = runner.prepare(mode, example.question, restrict)
         engine.generate(prepared, max_new_tokens=1)
 
@@ -510,7 +512,10 @@ def run_eval(config: EvalConfig, progress: bool = True,
                 contexts = unique_contexts(examples)
                 doc_ids.update(zip(contexts, ingest_contexts(store, contexts, config, progress=progress)))
             runner = ModeRunner(make_engine(store), config)
-            warm_up(runner, todo[0][0], config, document_of(todo[0][0].context))
+            # only the modes with rows left: a resumed run keeps the finished rows of a
+            # translator whose folder is gone
+            warm_up(runner, todo[0][0], config, document_of(todo[0][0].context),
+                    list(dict.fromkeys(m for _, m in todo)))
             bar = _progress(len(todo), "eval", progress)
             for example, mode in todo:
                 results.add(evaluate_example(runner, example, mode, config, document_of(example.context)))

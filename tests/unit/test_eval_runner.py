@@ -209,6 +209,26 @@ def test_larger_limit_and_extra_mode_reuse_earlier_rows(dataset, models, tmp_pat
     assert quality(small).items() <= quality(big).items()
 
 
+def test_a_resumed_run_keeps_finished_rows_of_a_translator_that_is_gone(dataset, models, tmp_path):
+    kw = dict(target=models["gemma"], limit=2)
+    run_eval(config(dataset, models, tmp_path, modes=["none", "native"], **kw), progress=False)
+    # finished rows of a translated variant whose folder has since been deleted (copied
+    # from the none rows), and the native rows still to compute
+    out = tmp_path / "out" / "results.json"
+    report = json.loads(out.read_text())
+    report["examples"] = [r for r in report["examples"] if r["mode"] == "none"]
+    report["examples"] += [{**r, "mode": "old"} for r in report["examples"]]
+    out.write_text(json.dumps(report))
+    CountingEngine.calls, CountingEngine.fail_after = 0, None
+    cfg = config(dataset, models, tmp_path, modes=["none", "native", f"old={tmp_path / 'gone'}@0"], **kw)
+    more = run_eval(cfg, progress=False,
+                    engine_factory=lambda s: CountingEngine(s, canonical=cfg.canonical, dtype="float32"))
+    # only native has rows left: 1 warm-up answer + 2 rows; the variant is never loaded,
+    # so its missing card is not an error
+    assert CountingEngine.calls == 1 + 2
+    assert more["n"] == 2 and more["modes"]["old"] == more["modes"]["none"]
+
+
 def test_longer_contexts_extend_a_run_made_with_max_context_chars(dataset, models, tmp_path):
     shortest = min(len(c) for c in CONTEXTS)
     short = run_eval(config(dataset, models, tmp_path, modes=["none", "native"],
