@@ -368,11 +368,10 @@ def evaluate_example(runner: ModeRunner, example: Example, mode: str, config: Ev
 
 
 def warm_up(runner: ModeRunner, example: Example, config: EvalConfig, document_id: str,
-            modes: list[str] | None = None) -> None:
-    """One untimed answer per mode (default: every mode of the config), so model and
-    translator loading are not counted as TTFT."""
+            modes: list[str]) -> None:
+    """One untimed answer per mode, so model and translator loading are not counted as TTFT."""
     restrict = [document_id] if config.retrieval == "oracle" else None
-    for mode in config.modes if modes is None else modes:
+    for mode in modes:
         engine, prepared = runner.prepare(mode, example.question, restrict)
         engine.generate(prepared, max_new_tokens=1)
 
