@@ -78,6 +78,7 @@ class TrainConfig:
     anchor_weight: float = 0.05  # regression term kept during stages 2-3
     kl_positions: int = 16
     key_weight: float = 0.0  # e2e: weight of the attention KL of native queries over translated vs native keys
+    key_logit_weight: float = 0.0  # e2e: weight of the dense attention-logit error of every chunk key (E35)
     answer_weight: float = 1.0  # e2e KL: the answer tokens' share, against 1 for the document-changed tokens
     topk: int = 32
     eval_samples: int = 10
@@ -303,6 +304,54 @@ class Trainer:
             losses.append((lp_nat.exp() * (lp_nat - lp_tr)).sum(-1).mean())
         return torch.stack(losses).mean()
 
+    def key_logit_weights(self) -> torch.Tensor:
+        """`[L, H, D]` mean squared query per key channel (each KV head's group of query heads
+        summed), from the training pairs' stored queries: the weights under which a key error
+        becomes an expected attention-logit error (up to the layer's scaling, which cancels in
+        `key_logit_loss`). RoPE rotates channel i with i + rd/2, so only the pair's energy is
+        position-free; both channels of a pair get its mean."""
+        if getattr(self, "_key_logit_w", None) is None:
+            spec, cfg = self.target.spec, self.mot.cfg
+            h, d = cfg.tgt_kv_heads, cfg.tgt_head_dim
+            total, count = torch.zeros(cfg.tgt_layers, h, d), 0
+            for i in range(min(64, len(self.pairs))):
+                rec = self.pairs[i]
+                for j in range(len(rec["kinds"])):
+                    q = rec[f"c{j}_q"].float()  # [L, Hq, N, D], rotated
+                    total += (q ** 2).reshape(cfg.tgt_layers, h, -1, q.shape[2], d).sum((2, 3))
+                    count += q.shape[2]
+            if count == 0:
+                raise ValueError("key_logit_weight needs pairs with stored queries (continuations)")
+            w = total / count
+            for l, rope in enumerate(spec.rope):
+                if rope is not None:
+                    half = rope.rotary_dim // 2
+                    pair = (w[l, :, :half] + w[l, :, half : 2 * half]) / 2
+                    w[l, :, :half], w[l, :, half : 2 * half] = pair, pair
+            self._key_logit_w = w
+        return self._key_logit_w
+
+    def key_logit_loss(self, keys: torch.Tensor, bt: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Expected squared attention-logit error of every chunk key, relative to the native keys'
+        spread, mean over translated layers. Keys are centred within each chunk first: a shift
+        shared by all of a chunk's keys moves every logit of a query alike, which the softmax
+        mostly ignores. Dense (every token, every layer), where the e2e KL sees 16 positions."""
+        cfg = self.mot.cfg
+        idx = cfg.translated
+        b, _, h, t, d = keys.shape
+        w = self.key_logit_weights()[idx][None, :, :, None, :]  # [1, Lt, H, 1, D]
+        k_tr = keys[:, idx]  # [B, Lt, H, T, D]
+        k_nat = bt["tk"][:, idx].reshape(b, len(idx), t, h, d).transpose(2, 3)
+        m = bt["mask"][:, None, None, :, None].float()  # [B, 1, 1, T, 1]
+        n = m.sum(3, keepdim=True).clamp(min=1)
+
+        def centred(k: torch.Tensor) -> torch.Tensor:
+            return (k - (k * m).sum(3, keepdim=True) / n) * m
+
+        err = (w * (centred(k_tr) - centred(k_nat)) ** 2).sum((0, 2, 3, 4))  # [Lt]
+        spread = (w * centred(k_nat) ** 2).sum((0, 2, 3, 4)).clamp(min=1e-8)
+        return (err / spread).mean()
+
     def stage_attention(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
         for step in range(start, steps):
             recs = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(max(1, self.cfg.batch // 2))]
@@ -362,6 +411,10 @@ class Trainer:
                     key = self.key_attention_loss(keys, rec, 0, j)
                     total = total + self.cfg.key_weight * key
                     stats["key"] = stats.get("key", 0.0) + key.item() / self.cfg.e2e_accum
+                if anchor and self.cfg.key_logit_weight > 0:
+                    klog = self.key_logit_loss(keys, bt)
+                    total = total + self.cfg.key_logit_weight * klog
+                    stats["key_logit"] = stats.get("key_logit", 0.0) + klog.item() / self.cfg.e2e_accum
                 (total / self.cfg.e2e_accum).backward()
                 stats["loss"] += kl.item() / self.cfg.e2e_accum
                 stats["reg"] += reg.item() / self.cfg.e2e_accum
@@ -410,7 +463,7 @@ class Trainer:
         n_items = min(len(pairs), limit or self.cfg.eval_samples)
         sse = torch.zeros(cfg.tgt_layers)
         sst = torch.zeros(cfg.tgt_layers)
-        att, kls, kls_w, ws, kls_next = [], [], [], [], []
+        att, kls, kls_w, ws, kls_next, klog = [], [], [], [], [], []
         ll = {"tr": 0.0, "nat": 0.0, "none": 0.0, "n": 0}
         top1 = {"tr": 0, "nat": 0, "none": 0, "n": 0}
         for i in range(n_items):
@@ -427,6 +480,8 @@ class Trainer:
             sse += ((pred - nat) ** 2).sum((1, 2))
             sst += ((nat - mean) ** 2).sum((1, 2))
             att.append(float(self.attention_loss(keys, values, rec, 0)))
+            if self.cfg.key_logit_weight > 0:
+                klog.append(float(self.key_logit_loss(keys, bt)))
             for j, kind in enumerate(rec["kinds"]):
                 pos = rec[f"c{j}_pos"]
                 logits = self.continuation_logits(keys, values, 0, n, rec[f"c{j}_ids"], keep=pos)  # [N, V]
@@ -458,6 +513,7 @@ class Trainer:
             "r2_per_layer": [round(x, 4) for x in r2],
             "r2_mean_translated": round(sum(r2[l] for l in cfg.translated) / len(cfg.translated), 4),
             "attention_rel_error": round(sum(att) / max(1, len(att)), 4),
+            "key_logit_rel_error": round(sum(klog) / len(klog), 4) if klog else None,
             "continuation_kl": round(sum(kls) / max(1, len(kls)), 4),
             "continuation_kl_doc_weighted": round(sum(kls_w) / max(1e-9, sum(ws)), 4),
             # plain continuation of the document's text (kind "next"): what QA-only training can hurt

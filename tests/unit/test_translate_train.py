@@ -418,3 +418,42 @@ def test_key_attention_loss_is_zero_on_native_keys_and_the_e2e_term_lowers_it(pa
     assert before > 1e-4
     tr.stage_e2e(15, make_optimizer(tr.mot, "e2e", tr.cfg))
     assert on_translated_keys() < before * 0.9
+
+
+def test_key_logit_weights_are_the_query_energy_of_each_rope_pair(pairs: PairSet) -> None:
+    tr = _trainer(pairs, key_logit_weight=1.0)
+    w = tr.key_logit_weights()
+    cfg = tr.mot.cfg
+    assert w.shape == (cfg.tgt_layers, cfg.tgt_kv_heads, cfg.tgt_head_dim) and bool((w >= 0).all())
+    for l, rope in enumerate(tr.target.spec.rope):
+        if rope is not None:
+            half = rope.rotary_dim // 2
+            assert torch.allclose(w[l, :, :half], w[l, :, half : 2 * half])  # position-free: one weight per pair
+    # each KV head's weights hold the mean squared norm of its group's queries (GQA: heads summed)
+    qs = [r[f"c{j}_q"].float() for r in pairs for j in range(len(r["kinds"]))]  # [L, Hq, N, D] each
+    q = torch.cat(qs, 2)
+    per_head = q.pow(2).sum(-1).mean(2)  # [L, Hq]
+    expected = per_head.reshape(cfg.tgt_layers, cfg.tgt_kv_heads, -1).sum(-1)
+    assert torch.allclose(w.sum(-1), expected, rtol=1e-4)
+
+
+def test_key_logit_loss_ignores_a_shared_shift_and_the_e2e_term_lowers_it(pairs: PairSet) -> None:
+    rec = next(r for r in pairs if r["kinds"])
+    tr = _trainer(pairs, key_logit_weight=30.0, lr_e2e=3e-3, anchor_weight=0.0)
+    bt = tr.batch([rec])
+    native = rec["tgt_k"].float()[None]  # [1, L, H, T, D]
+    assert float(tr.key_logit_loss(native, bt)) == pytest.approx(0.0, abs=1e-6)
+    shifted = native + torch.randn(1, native.shape[1], native.shape[2], 1, native.shape[4])  # one shift per chunk
+    assert float(tr.key_logit_loss(shifted, bt)) == pytest.approx(0.0, abs=1e-5)
+    noisy = native + 0.5 * torch.randn_like(native)
+    assert float(tr.key_logit_loss(noisy, bt)) > 1e-3
+
+    def on_translated_keys() -> float:
+        with torch.no_grad():
+            keys, _, _ = tr.translate_batch(tr.batch([rec]))
+            return float(tr.key_logit_loss(keys, bt))
+
+    before = on_translated_keys()
+    tr.stage_e2e(15, make_optimizer(tr.mot, "e2e", tr.cfg))
+    assert on_translated_keys() < before * 0.9
+    assert tr.evaluate(limit=1)["key_logit_rel_error"] is not None
