@@ -154,9 +154,9 @@ def start_from_artifact(path: str, source: Any, target: Any,
     heads and normalisation statistics are those of the translator at PATH (same source and
     target, checked by fingerprint). A mixture grown from PATH's (wider experts, more
     `blocks`) starts from PATH's weights (`mot.grown_state`) and computes exactly what PATH
-    computes. One whose output heads no longer fit (another `d_model`) starts with zero
-    heads, so equal too. A narrower mixture (smaller `d_expert`, fewer `blocks`) keeps
-    PATH's heads over fresh experts and does not start equal.
+    computes. A mixture that cannot hold PATH's (another `d_model`, a smaller `d_expert`,
+    fewer `blocks`: some of PATH's mixture tensors do not fit) starts with zero output heads,
+    so it computes PATH's linear path alone; the message and the record say which.
     Returns (translator, the "start" stage record, PATH's card)."""
     from cagkv.translate.artifact import load_translator
 
@@ -166,16 +166,23 @@ def start_from_artifact(path: str, source: Any, target: Any,
                               skip_rank=old.skip_rank, boundaries=old.boundaries, boundary_rank=old.boundary_rank)
     mot = MoTTranslator(cfg)
     own = mot.state_dict()
-    copied = grown_state(mot, start.model.state_dict())
+    old_state = start.model.state_dict()
+    copied = grown_state(mot, old_state)
     mot.load_state_dict(copied, strict=False)
-    if "head_w" not in copied:
+    # PATH's tensors that this mixture has but cannot take (narrower or reshaped): keeping its
+    # heads over fresh experts would start from neither PATH nor its linear path
+    unfit = [n for n in old_state if n in own and n not in copied]
+    mixture_from = "artifact" if "head_w" in copied and not unfit else "linear path"
+    if mixture_from == "linear path":
         with torch.no_grad():
             mot.head_w.zero_()
             mot.head_b.zero_()
     info = {"from": str(path), "tensors_copied": len(copied), "tensors_fresh": len(own) - len(copied),
+            "tensors_unfit": len(unfit), "starts_as": mixture_from,
             "start_quality": (start.card.get("quality") or {}).get("value"),
             "default_replay": int(start.card.get("default_replay") or 0)}
-    heads = "mixture heads copied" if "head_w" in copied else "mixture heads zero"
+    heads = ("mixture heads copied: starts as the artifact" if mixture_from == "artifact" else
+             f"{len(unfit)} of its mixture tensors do not fit, mixture heads zero: starts as its linear path")
     _say(f"start from {path}: {len(copied)} tensors copied, {len(own) - len(copied)} fresh ({heads})")
     return mot, info, start.card
 

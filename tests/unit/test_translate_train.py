@@ -287,6 +287,33 @@ def test_start_from_artifact_equals_it_then_trains_only_the_mixture(pairs: PairS
             assert torch.equal(v, frozen[k]), k
 
 
+def test_a_mixture_that_cannot_hold_the_artifacts_starts_as_its_linear_path(pairs: PairSet, tmp_path: Path) -> None:
+    import dataclasses
+
+    from cagkv.translate.artifact import save_artifact
+    from cagkv.translate.runner import start_from_artifact
+
+    base = _trainer(pairs, skip_rank=8, experts=1, top_k=1, d_model=8, d_expert=8)
+    base.mot.init_skip_from_ridge(fit_ridge(base, lam=1.0).ridge_w)
+    with torch.no_grad():
+        base.mot.head_w.normal_(0, 0.5)  # a trained mixture: its output is not zero
+    card = {"source": {"fingerprint": base.source.fingerprint}, "target": {"fingerprint": base.target.fingerprint}}
+    folder = save_artifact(tmp_path / "start", base.mot, card)
+    tr = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=base.mot)
+    bt = tr.batch([pairs[0], pairs[1]])
+    emb = tr.ts.embed(bt["ids"]).float()
+    x = (bt["src"] - base.mot.src_mean) / base.mot.src_std
+    for shape in (dict(d_expert=4), dict(d_expert=16)):  # narrower: linear path only; wider: the artifact
+        mot, info, _ = start_from_artifact(str(folder), base.source, base.target,
+                                           dataclasses.replace(base.mot.cfg, **shape))
+        with torch.no_grad():
+            y = mot(bt["src"], emb, bt["mask"]).y
+            want = mot.skip(x, emb) if shape["d_expert"] < 8 else base.mot(bt["src"], emb, bt["mask"]).y
+            assert not torch.allclose(base.mot(bt["src"], emb, bt["mask"]).y, mot.skip(x, emb), atol=1e-2)
+        torch.testing.assert_close(y, want, atol=2e-2, rtol=2e-2)
+        assert info["starts_as"] == ("linear path" if shape["d_expert"] < 8 else "artifact")
+
+
 def test_layer_streams_start_as_the_artifact_and_train_alone(pairs, tmp_path) -> None:
     import dataclasses
 
