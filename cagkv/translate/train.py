@@ -152,6 +152,7 @@ class Trainer:
         self.P = int(pairs.prefix_ids.numel())
         self.t_start = time.time()
         self.replay = 0  # > 0: translate_batch recomputes the top `replay` layers (replay heads)
+        self._key_logit_w: torch.Tensor | None = None  # key_logit_weights(), computed once
 
     # ------------------------------------------------------------------ data
     def fit_stats(self, n: int = 64) -> None:
@@ -310,7 +311,7 @@ class Trainer:
         becomes an expected attention-logit error (up to the layer's scaling, which cancels in
         `key_logit_loss`). RoPE rotates channel i with i + rd/2, so only the pair's energy is
         position-free; both channels of a pair get its mean."""
-        if getattr(self, "_key_logit_w", None) is None:
+        if self._key_logit_w is None:
             spec, cfg = self.target.spec, self.mot.cfg
             h, d = cfg.tgt_kv_heads, cfg.tgt_head_dim
             total, count = torch.zeros(cfg.tgt_layers, h, d), 0
