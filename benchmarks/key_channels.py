@@ -44,16 +44,13 @@ class ProbeTrainer(Trainer):
             emb = self.ts.embed(bt["ids"]).float()
         out = self.mot(bt["src"], emb, bt["mask"])
         if "linear" in (self.k_from, self.v_from):
-            x = (bt["src"] - self.mot.src_mean) / self.mot.src_std  # as MoTTranslator.forward feeds skip()
-            lin, kv = self.mot.skip(x, emb), self.mot.cfg.tgt_kv_dim
+            lin, kv = self.mot.skip(self.mot.normalise_source(bt["src"]), emb), self.mot.cfg.tgt_kv_dim
             k_part = lin if self.k_from == "linear" else out.y
             v_part = lin if self.v_from == "linear" else out.y
             out.y = torch.cat([k_part[..., :kv], v_part[..., kv:]], -1)
         keys, values = assemble_kv(self.mot, self.ts, out, emb)
         if self.native_mask is not None:
-            b, l, h, t, d = keys.shape
-            native = bt["tk"].reshape(b, l, t, h, d).transpose(2, 3)
-            keys = torch.where(self.native_mask[None, :, :, None, :], native, keys)
+            keys = torch.where(self.native_mask[None, :, :, None, :], self.native_keys(bt), keys)
         return keys, values, out
 
 
@@ -109,21 +106,17 @@ def main() -> None:
                                                            "r2_mean_translated", "key_logit_rel_error")}
         print(f"K {kf}, V {vf}:", res["linear"][f"K {kf}, V {vf}"], flush=True)
     tr.k_from, tr.v_from = "full", "full"
-    # the translated keys' within-chunk error by layer, plain and weighted by query energy
-    err, err_w = torch.zeros(L), torch.zeros(L)
-    spread, spread_w = torch.zeros(L), torch.zeros(L)
+    # the translated keys' within-chunk error by layer (exact layers 0), plain and weighted by query energy
+    err, err_w, spread, spread_w = (torch.zeros(L) for _ in range(4))
+    idx = cfg.translated
     with torch.no_grad():
         for i in range(min(args.limit, len(held))):
             bt = tr.batch([held[i]])
             keys, _, _ = tr.translate_batch(bt)
-            b, l, h, t, d = keys.shape
-            native = bt["tk"].reshape(b, l, t, h, d).transpose(2, 3)[0]
-            dk = ((keys[0] - keys[0].mean(2, keepdim=True)) - (native - native.mean(2, keepdim=True))) ** 2
-            c = (native - native.mean(2, keepdim=True)) ** 2  # [L, H, T, D]
-            err += dk.sum((1, 2, 3))
-            spread += c.sum((1, 2, 3))
-            err_w += (w[:, :, None] * dk).sum((1, 2, 3))
-            spread_w += (w[:, :, None] * c).sum((1, 2, 3))
+            for e, s, weights in ((err, spread, torch.ones_like(w)), (err_w, spread_w, w)):
+                de, ds = tr.key_logit_errors(keys, bt, weights)
+                e[idx] += de
+                s[idx] += ds
     res["key_error_share_by_layer"] = [round(float(x), 3) for x in err / spread.clamp(min=1e-8)]
     res["key_error_share_by_layer_query_weighted"] = [round(float(x), 3) for x in err_w / spread_w.clamp(min=1e-8)]
     print("within-chunk key error / spread by layer:", res["key_error_share_by_layer"])

@@ -377,7 +377,7 @@ class MoTTranslator(nn.Module):
         """src `[B, T, n_used*2*src_kv]` raw aligned source KV, emb `[B, T, E]`; mask `[B, T]` real tokens."""
         cfg = self.cfg
         b, t, _ = src.shape
-        x = (src - self.src_mean) / self.src_std
+        x = self.normalise_source(src)
         e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
         hs = []
         for g in range(len(cfg.groups)):
@@ -513,10 +513,14 @@ class MoTTranslator(nn.Module):
         if str(layer) not in self.boundary:
             have = sorted(self.cfg.boundaries)
             raise KeyError(f"no boundary head for layer {layer} (heads: {have})")
-        x = (src - self.src_mean) / self.src_std
-        return self.boundary[str(layer)](x, emb, hidden)
+        return self.boundary[str(layer)](self.normalise_source(src), emb, hidden)
 
     # ------------------------------------------------------------------ units
+    def normalise_source(self, src: torch.Tensor) -> torch.Tensor:
+        """Raw aligned source features -> the normalised input of the mixture, the linear
+        path (`skip`) and the replay heads."""
+        return (src - self.src_mean) / self.src_std
+
     def decode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised `y [B, Lt, T, 2kv]` -> keys, values `[B, Lt, T, kv]` in target units.
 

@@ -140,7 +140,7 @@ class RidgeFit:
     def _accumulate(self, a: dict[str, Any], ts: TargetSide) -> None:
         mot, cfg = self.mot, self.cfg
         src, emb = a["src"][None], ts.embed(a["ids"][None]).float()  # [1, T, F], [1, T, E]
-        x = (src - mot.src_mean) / mot.src_std
+        x = mot.normalise_source(src)
         design = mot.skip_design(x, emb)[0]  # [T, Lt, F_l]
         tr = cfg.translated
         k = a["tk"][tr].permute(0, 2, 1, 3).reshape(len(tr), a["tk"].shape[2], -1)  # [Lt, T, kv]

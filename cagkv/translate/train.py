@@ -332,26 +332,36 @@ class Trainer:
             self._key_logit_w = w
         return self._key_logit_w
 
-    def key_logit_loss(self, keys: torch.Tensor, bt: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Expected squared attention-logit error of every chunk key, relative to the native keys'
-        spread, mean over translated layers. Keys are centred within each chunk first: a shift
-        shared by all of a chunk's keys moves every logit of a query alike, which the softmax
-        mostly ignores. Dense (every token, every layer), where the e2e KL sees 16 positions."""
+    def native_keys(self, bt: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's native keys `bt["tk"]` in the layout of translated keys `[B, L, H, T, D]`."""
         cfg = self.mot.cfg
-        idx = cfg.translated
-        b, _, h, t, d = keys.shape
-        w = self.key_logit_weights()[idx][None, :, :, None, :]  # [1, Lt, H, 1, D]
-        k_tr = keys[:, idx]  # [B, Lt, H, T, D]
-        k_nat = bt["tk"][:, idx].reshape(b, len(idx), t, h, d).transpose(2, 3)
+        b, n_layers, t, _ = bt["tk"].shape
+        return bt["tk"].reshape(b, n_layers, t, cfg.tgt_kv_heads, cfg.tgt_head_dim).transpose(2, 3)
+
+    def key_logit_errors(self, keys: torch.Tensor, bt: dict[str, torch.Tensor],
+                         weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per translated layer `[Lt]`, summed over the batch: the weighted squared error of the
+        keys centred within each chunk, and the native keys' weighted spread there. A shift
+        shared by all of a chunk's keys moves every logit of a query alike, which the softmax
+        mostly ignores. `weights` `[L, H, D]`: `key_logit_weights()` by default."""
+        idx = self.mot.cfg.translated
+        w = (self.key_logit_weights() if weights is None else weights)[idx][None, :, :, None, :]  # [1, Lt, H, 1, D]
         m = bt["mask"][:, None, None, :, None].float()  # [B, 1, 1, T, 1]
         n = m.sum(3, keepdim=True).clamp(min=1)
 
         def centred(k: torch.Tensor) -> torch.Tensor:
             return (k - (k * m).sum(3, keepdim=True) / n) * m
 
-        err = (w * (centred(k_tr) - centred(k_nat)) ** 2).sum((0, 2, 3, 4))  # [Lt]
-        spread = (w * centred(k_nat) ** 2).sum((0, 2, 3, 4)).clamp(min=1e-8)
-        return (err / spread).mean()
+        k_nat = centred(self.native_keys(bt)[:, idx])
+        err = (w * (centred(keys[:, idx]) - k_nat) ** 2).sum((0, 2, 3, 4))
+        return err, (w * k_nat ** 2).sum((0, 2, 3, 4))
+
+    def key_logit_loss(self, keys: torch.Tensor, bt: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Expected squared attention-logit error of every chunk key (centred within its chunk),
+        relative to the native keys' spread, mean over translated layers. Dense (every token,
+        every layer), where the e2e KL sees 16 positions."""
+        err, spread = self.key_logit_errors(keys, bt)
+        return (err / spread.clamp(min=1e-8)).mean()
 
     def stage_attention(self, steps: int, opt: torch.optim.Optimizer, start: int = 0, ckpt: Callable | None = None) -> None:
         for step in range(start, steps):

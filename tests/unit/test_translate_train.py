@@ -302,7 +302,7 @@ def test_a_mixture_that_cannot_hold_the_artifacts_starts_as_its_linear_path(pair
     tr = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=base.mot)
     bt = tr.batch([pairs[0], pairs[1]])
     emb = tr.ts.embed(bt["ids"]).float()
-    x = (bt["src"] - base.mot.src_mean) / base.mot.src_std
+    x = base.mot.normalise_source(bt["src"])
     for shape in (dict(d_expert=4), dict(d_expert=16)):  # narrower: linear path only; wider: the artifact
         mot, info, _ = start_from_artifact(str(folder), base.source, base.target,
                                            dataclasses.replace(base.mot.cfg, **shape))
