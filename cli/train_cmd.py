@@ -25,7 +25,8 @@ def train_cmd(
                              "or a translator folder: start from its linear path and replay heads."),
     train_only: str = typer.Option("", "--train-only",
                                    help="mixture: train only the mixture (linear path and replay heads frozen); "
-                                   "streams: only the layer streams (config layer_streams)."),
+                                   "streams: only the layer streams (config layer_streams); "
+                                   "key_scale: only the keys' per-layer scales (config key_scale)."),
     skip_rank: int = typer.Option(128, "--skip-rank", help="Rank of the per-layer linear path (0: none)."),
     method: str = typer.Option("staged", "--method",
                                help="staged: pairs + regression/attention/e2e stages; ridge: streaming closed-form fit."),

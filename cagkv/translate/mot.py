@@ -75,6 +75,7 @@ class MoTConfig:
     skip_rank: int = 0  # >0: a low-rank linear path per layer (initialised from ridge), MoT adds to it
     layer_streams: list[int] = field(default_factory=list)  # target layers with a path of their own (LayerStream)
     stream_d: int = 256
+    key_scale: bool = False  # a learned scale per translated layer on its keys, after the k-norm (a temperature)
 
     def __post_init__(self) -> None:
         if self.mixing not in MIXING:
@@ -371,6 +372,10 @@ class MoTTranslator(nn.Module):
             self.skip_a = nn.Parameter(torch.zeros(n_tr, f_in, cfg.skip_rank))
             self.skip_b = nn.Parameter(torch.zeros(n_tr, cfg.skip_rank, kv2))
             self.skip_bias = nn.Parameter(torch.zeros(n_tr, kv2))
+        if cfg.key_scale:
+            # log of each target layer's key scale; a k-norm fixes a key's length, so without it the
+            # translator cannot sharpen or soften the attention its keys draw (see `key_scales`)
+            self.key_log_scale = nn.Parameter(torch.zeros(cfg.tgt_layers))
 
     # ------------------------------------------------------------------ forward
     def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None) -> MoTOutput:
@@ -538,6 +543,10 @@ class MoTTranslator(nn.Module):
         idx = torch.tensor(self.cfg.translated, device=k.device)
         mean, std = self.tgt_mean[idx][None, :, None, :], self.tgt_std[idx][None, :, None, :]
         return (torch.cat([k, v], dim=-1) - mean) / std
+
+    def key_scales(self) -> torch.Tensor | None:
+        """`[L]` factors for the translated keys (after the k-norm), or None without `cfg.key_scale`."""
+        return self.key_log_scale.exp() if self.cfg.key_scale else None
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

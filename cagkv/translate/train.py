@@ -90,9 +90,10 @@ class TrainConfig:
     skip_rank: int = 128  # >0: low-rank linear path per layer
     init: str = "ridge"  # "ridge": closed-form ridge start (needs skip_rank); "random"; or a translator folder
     train_only: str = ""  # "mixture": gradient stages leave the linear path and replay heads as they are;
-    # "streams": they train only the layer streams
+    # "streams": they train only the layer streams; "key_scale": only the keys' per-layer scales
     layer_streams: list[int] = field(default_factory=list)  # target layers given a path of their own
     stream_d: int = 256
+    key_scale: bool = False  # a learned scale per layer on the translated keys (MoTConfig.key_scale)
     ridge_lambda: float = 30.0
     method: str = "staged"  # "staged": pairs + stages; "ridge": streaming closed-form fit (ridge.py)
     ridge_texts: int = 0  # "ridge": chunks streamed (0: as many as the corpora give)
@@ -119,7 +120,7 @@ def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) 
         tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
         experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, blocks=cfg.blocks, tgt_hidden=int(target.config.hidden_size),
         skip_rank=cfg.skip_rank, boundary_rank=cfg.boundary_rank, layer_streams=list(cfg.layer_streams),
-        stream_d=cfg.stream_d,
+        stream_d=cfg.stream_d, key_scale=cfg.key_scale,
         boundaries=sorted(set(cfg.boundaries) | {t.num_layers - r for r in cfg.replay if 0 < r < t.num_layers}),
     )
 
@@ -559,21 +560,25 @@ def stage_steps(cfg: TrainConfig) -> dict[str, int]:
     return {"regression": cfg.steps_regression, "attention": cfg.steps_attention, "e2e": cfg.steps_e2e}
 
 
-TRAIN_ONLY = ("", "mixture", "streams")
+TRAIN_ONLY = ("", "mixture", "streams", "key_scale")
 LINEAR_PARAMS = ("skip_a", "skip_b", "skip_bias", "boundary.")
 
 
 def freeze_for(mot: MoTTranslator, train_only: str) -> int:
     """`train_only="mixture"`: stop gradients into the linear path and the replay heads
     (the closed-form part), so the gradient stages train only the mixture; `"streams"`:
-    into everything but the layer streams. Returns the number of parameters left trainable."""
+    into everything but the layer streams; `"key_scale"`: into everything but the keys' per-layer
+    scales (`key_scale`). Returns the number of parameters left trainable."""
     if train_only not in TRAIN_ONLY:
         raise ValueError(f"train_only must be one of {TRAIN_ONLY}, got {train_only!r}")
     if train_only == "streams" and not mot.cfg.layer_streams:
         raise ValueError("train_only='streams' needs layer_streams")
+    if train_only == "key_scale" and not mot.cfg.key_scale:
+        raise ValueError("train_only='key_scale' needs key_scale")
     for name, p in mot.named_parameters():
         if (train_only == "mixture" and name.startswith(LINEAR_PARAMS)) or \
-                (train_only == "streams" and not name.startswith("streams.")):
+                (train_only == "streams" and not name.startswith("streams.")) or \
+                (train_only == "key_scale" and name != "key_log_scale"):
             p.requires_grad_(False)
     return sum(p.numel() for p in mot.parameters() if p.requires_grad)
 

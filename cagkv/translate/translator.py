@@ -95,6 +95,7 @@ def assemble_kv(
     b, _, t, _ = k_tr.shape
     h, d = cfg.tgt_kv_heads, cfg.tgt_head_dim
     k0, v0 = ts.exact_kv(emb, 0)  # [B, H, T, D]
+    scales = mot.key_scales()
     keys, values = [], []
     for layer in range(cfg.tgt_layers):
         if layer in cfg.exact_layers:
@@ -104,7 +105,8 @@ def assemble_kv(
         i = cfg.translated.index(layer)
         k = k_tr[:, i].reshape(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
         v = v_tr[:, i].reshape(b, t, h, d).transpose(1, 2)
-        keys.append(ts.k_post(k, layer))
+        k = ts.k_post(k, layer)
+        keys.append(k if scales is None else k * scales[layer].to(k.dtype))
         values.append(v)
     return torch.stack(keys, 1), torch.stack(values, 1)  # [B, L, H, T, D]
 

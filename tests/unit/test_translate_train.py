@@ -365,6 +365,52 @@ def test_layer_streams_start_as_the_artifact_and_train_alone(pairs, tmp_path) ->
         torch.testing.assert_close(back(bt["src"], emb, bt["mask"]).y, y2, atol=5e-2, rtol=2e-2)
 
 
+def test_key_scales_start_at_one_scale_only_translated_keys_and_train_alone(pairs, tmp_path) -> None:
+    import dataclasses
+
+    from cagkv.translate.artifact import load_translator, save_artifact
+    from cagkv.translate.runner import start_from_artifact
+    from cagkv.translate.train import freeze_for
+    from cagkv.translate.translator import assemble_kv
+
+    base = _trainer(pairs, skip_rank=8, experts=1, top_k=1, d_model=8, d_expert=8)
+    card = {"source": {"fingerprint": base.source.fingerprint}, "target": {"fingerprint": base.target.fingerprint}}
+    folder = save_artifact(tmp_path / "start", base.mot, card)
+    mot, info, _ = start_from_artifact(str(folder), base.source, base.target,
+                                       dataclasses.replace(base.mot.cfg, key_scale=True))
+    assert info["starts_as"] == "artifact" and info["tensors_fresh"] == 1
+    tr = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=mot)
+    bt = tr.batch([pairs[0], pairs[1]])
+    k_base, v_base, _ = Trainer(base.source, base.target, pairs, pairs, base.cfg, mot=base.mot).translate_batch(bt)
+    k0, v0, _ = tr.translate_batch(bt)
+    torch.testing.assert_close(k0, k_base, atol=2e-2, rtol=2e-2)  # scales start at 1 (float16 storage aside)
+
+    with pytest.raises(ValueError, match="needs key_scale"):
+        freeze_for(base.mot, "key_scale")
+    assert freeze_for(mot, "key_scale") == mot.cfg.tgt_layers
+    before = {k: v.clone() for k, v in mot.state_dict().items()}
+    tr.stage_e2e(3, make_optimizer(mot, "e2e", tr.cfg))
+    changed = {k for k, v in mot.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"key_log_scale"}
+
+    with torch.no_grad():  # set known scales: translated layers' keys scale by them after the k-norm
+        mot.key_log_scale.copy_(torch.linspace(-0.5, 0.5, mot.cfg.tgt_layers))
+        emb = tr.ts.embed(bt["ids"]).float()
+        out = mot(bt["src"], emb, bt["mask"])
+        k1, v1 = assemble_kv(mot, tr.ts, out, emb)
+        mot.key_log_scale.zero_()
+        k_one, v_one = assemble_kv(mot, tr.ts, out, emb)
+        mot.key_log_scale.copy_(torch.linspace(-0.5, 0.5, mot.cfg.tgt_layers))
+    torch.testing.assert_close(v1, v_one)
+    for layer in range(mot.cfg.tgt_layers):
+        factor = 1.0 if layer in mot.cfg.exact_layers else float(mot.key_scales().detach()[layer])
+        torch.testing.assert_close(k1[:, layer], k_one[:, layer] * factor)
+    back = load_translator(save_artifact(tmp_path / "scaled", mot, card), base.source.fingerprint,
+                           base.target.fingerprint).model
+    assert back.cfg.key_scale
+    torch.testing.assert_close(back.key_scales(), mot.key_scales(), atol=2e-3, rtol=2e-3)
+
+
 def test_heldout_documents_do_not_depend_on_the_sample_count() -> None:
     docs = [(f"doc{i}", " ".join(CORPUS[i % 5 : i % 5 + 4])) for i in range(40)]
     few = make_samples(docs, 20, seed=0, chars=(80, 400))
