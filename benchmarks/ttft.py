@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from cagkv.errors import UsageError
-from cagkv.eval.runner import TTFT_KEYS, _git_commit, _machine, variant_spec
+from cagkv.eval.runner import TTFT_KEYS, git_commit, machine_description, variant_spec
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "examples" / "docs"
 QUESTION = "What is the main point the author makes?"
@@ -153,8 +153,8 @@ def main() -> None:
         r["speedup_vs_native"] = round(native[r["length"]] / r["ttft"], 3) if r["length"] in native else None
     report = {
         "benchmark": "ttft", "canonical": args.canonical, "target": args.target,
-        "repeats": args.repeats, "threads": args.threads, "dtype": args.dtype, "commit": _git_commit(),
-        "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "repeats": args.repeats, "threads": args.threads, "dtype": args.dtype, "commit": git_commit(),
+        "machine": machine_description(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python benchmarks/ttft.py " + " ".join(sys.argv[1:]), "rows": rows,
     }
     md = to_markdown(report)

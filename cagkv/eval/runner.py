@@ -546,8 +546,8 @@ def _run_config(config: EvalConfig, header: dict[str, Any], started: str) -> dic
         "seed": config.seed,
         "retrieval": config.retrieval,
         "command": config.command,
-        "commit": _git_commit(),
-        "machine": _machine(),
+        "commit": git_commit(),
+        "machine": machine_description(),
         "started": started,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -568,7 +568,8 @@ def _write_outputs(report: dict[str, Any], config: EvalConfig, partial_path: Pat
         md.write_text(to_markdown(report), encoding="utf-8")
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The short commit of the checkout the code runs from, or None outside git."""
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
@@ -578,7 +579,8 @@ def _git_commit() -> str | None:
         return None
 
 
-def _machine() -> str:
+def machine_description() -> str:
+    """The CPU, torch version and thread count a report was measured with."""
     import torch
 
     cpus = os.cpu_count()
