@@ -165,3 +165,27 @@ def test_malformed_card_refused(tmp_path: Path) -> None:
     (tmp_path / "card.json").write_text("{not json")
     with pytest.raises(TranslatorError, match="not valid JSON"):
         load_translator(tmp_path)
+
+
+def test_interpolated_translator_weights_lie_between_the_two_and_buffers_must_agree() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from interpolate_translators import interpolate
+
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), d_model=8, d_expert=8, experts=2, top_k=1)
+    torch.manual_seed(0)
+    a = MoTTranslator(cfg)
+    torch.manual_seed(1)
+    b = MoTTranslator(cfg)
+    src, emb = torch.randn(1, 6, len(cfg.used_src) * 2 * 8), torch.randn(1, 6, 12)
+    mid = MoTTranslator(cfg)
+    for t, want in ((0.0, a), (1.0, b)):
+        mid.load_state_dict(interpolate(a, b, t))
+        with torch.no_grad():
+            torch.testing.assert_close(mid(src, emb).y, want(src, emb).y)
+    mid.load_state_dict(interpolate(a, b, 0.5))
+    torch.testing.assert_close(mid.head_w, (a.head_w + b.head_w) / 2)
+    assert not torch.allclose(mid.head_w, a.head_w)
+    with torch.no_grad():
+        b.tgt_std.mul_(2)  # another normalisation: the weights would not mean the same thing
+    with pytest.raises(ValueError, match="tgt_std"):
+        interpolate(a, b, 0.5)

@@ -1,0 +1,63 @@
+"""Write a translator whose weights lie between two of the same shape: (1 - t) * A + t * B.
+
+A continuation of a shipped translator (`cagkv train --init A`) starts at A's weights, so
+the two lie in one basin and their interpolation is a meaningful translator (weight-space
+ensembling, as in WiSE-FT). If a point between them beats both, the continuation moved in a
+useful direction and overshot; if quality falls monotonically from A, it moved the wrong way.
+Normalisation statistics and integer buffers are A's (they must agree, and are checked).
+E37 in docs/EXPERIMENTS.md.
+
+Example:
+    python benchmarks/interpolate_translators.py cagkv/translators/smollm2-135m__gemma3-270m \
+        ~/.cache/cagkv/runs/e35g_gemma_keylogit --t 0.5 --out ~/.cache/cagkv/runs/e37/gemma_t05
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from cagkv.translate.artifact import load_translator, save_artifact
+
+
+@torch.no_grad()
+def interpolate(a: torch.nn.Module, b: torch.nn.Module, t: float) -> dict[str, torch.Tensor]:
+    """State dict `(1 - t) * a + t * b` over floating-point parameters; buffers must match."""
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        raise ValueError(f"the translators differ in tensors: {sorted(sa.keys() ^ sb.keys())[:3]}")
+    params = {name for name, _ in a.named_parameters()}
+    out = {}
+    for name, va in sa.items():
+        vb = sb[name]
+        if va.shape != vb.shape:
+            raise ValueError(f"{name}: {tuple(va.shape)} vs {tuple(vb.shape)}")
+        if name in params and va.is_floating_point():
+            out[name] = torch.lerp(va, vb, t)
+        elif not torch.allclose(va.float(), vb.float(), rtol=1e-3, atol=1e-5):
+            raise ValueError(f"buffer {name} differs between the two translators")
+        else:
+            out[name] = va
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", help="translator folder A (t = 0)")
+    ap.add_argument("b", help="translator folder B (t = 1), same config as A")
+    ap.add_argument("--t", type=float, required=True, help="position between A (0) and B (1)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    a, b = load_translator(os.path.expanduser(args.a)), load_translator(os.path.expanduser(args.b))
+    if a.model.cfg != b.model.cfg:
+        raise SystemExit("the two translators have different configs")
+    a.model.load_state_dict(interpolate(a.model, b.model, args.t))
+    card = dict(a.card, interpolated={"a": args.a, "b": args.b, "t": args.t})
+    int8 = "int8" in str(a.card.get("weights_dtype", ""))
+    print("wrote", save_artifact(os.path.expanduser(args.out), a.model, card, int8_linear=int8))
+
+
+if __name__ == "__main__":
+    main()
