@@ -7,15 +7,21 @@ useful direction and overshot; if quality falls monotonically from A, it moved t
 Normalisation statistics and integer buffers are A's (they must agree, and are checked).
 E37 in docs/EXPERIMENTS.md.
 
+With `--probe PAIRS` (a pair folder with heldout/) the card's held-out quality is measured
+again for the new weights, as `cagkv train` measures it (`Trainer.evaluate`), so `auto`'s
+threshold reads the translator it guards, not A.
+
 Example:
     python benchmarks/interpolate_translators.py cagkv/translators/smollm2-135m__gemma3-270m \
-        ~/.cache/cagkv/runs/e35g_gemma_keylogit --t 0.5 --out ~/.cache/cagkv/runs/e37/gemma_t05
+        ~/.cache/cagkv/runs/e35g_gemma_keylogit --t 0.5 --out ~/.cache/cagkv/runs/e37/gemma_t05 \
+        --probe ~/.cache/cagkv/pairs/smollm2-135m__gemma3-270m__048fd8aedb48
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 
@@ -43,18 +49,40 @@ def interpolate(a: torch.nn.Module, b: torch.nn.Module, t: float) -> dict[str, t
     return out
 
 
+def probe_quality(translator: Any, pairs: str, chunks: int) -> dict[str, Any]:
+    """The card's `quality` and `metrics` for `translator`'s weights on the held-out chunks of `pairs`."""
+    from cagkv.models import load
+    from cagkv.translate.pairs import PairSet
+    from cagkv.translate.train import Trainer, TrainConfig
+
+    torch.set_num_threads(1)
+    card = translator.card
+    source, target = load(card["source"]["name"]), load(card["target"]["name"])
+    held = PairSet(f"{pairs}/heldout")
+    mot = translator.model.train(False)
+    tr = Trainer(source, target, PairSet(f"{pairs}/train"), held, TrainConfig(eval_samples=chunks), mot=mot)
+    r = tr.evaluate()
+    quality = dict(card.get("quality") or {}, metric="answer_ll_recovery", value=r["answer_ll_recovery"],
+                   note=f"held-out answers of {pairs} ({r['heldout_chunks']} chunks), measured on these weights")
+    return {"quality": quality, "metrics": {"interpolated": r}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("a", help="translator folder A (t = 0)")
     ap.add_argument("b", help="translator folder B (t = 1), same config as A")
     ap.add_argument("--t", type=float, required=True, help="position between A (0) and B (1)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--probe", default="", help="pair folder whose held-out chunks measure the card's quality")
+    ap.add_argument("--probe-chunks", type=int, default=10)
     args = ap.parse_args()
     a, b = load_translator(os.path.expanduser(args.a)), load_translator(os.path.expanduser(args.b))
     if a.model.cfg != b.model.cfg:
         raise SystemExit("the two translators have different configs")
     a.model.load_state_dict(interpolate(a.model, b.model, args.t))
     card = dict(a.card, interpolated={"a": args.a, "b": args.b, "t": args.t})
+    if args.probe:
+        card.update(probe_quality(a, os.path.expanduser(args.probe), args.probe_chunks))
     int8 = "int8" in str(a.card.get("weights_dtype", ""))
     print("wrote", save_artifact(os.path.expanduser(args.out), a.model, card, int8_linear=int8))
 
