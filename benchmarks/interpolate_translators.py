@@ -64,7 +64,7 @@ def probe_quality(translator: Any, pairs: str, chunks: int) -> dict[str, Any]:
     r = tr.evaluate()
     quality = dict(card.get("quality") or {}, metric="answer_ll_recovery", value=r["answer_ll_recovery"],
                    note=f"held-out answers of {pairs} ({r['heldout_chunks']} chunks), measured on these weights")
-    return {"quality": quality, "metrics": {"interpolated": r}}
+    return {"quality": quality, "metrics": dict(card.get("metrics") or {}, interpolated=r)}
 
 
 def main() -> None:
