@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from cagkv.models import load
-from cagkv.models.rope import rotate
 from cagkv.translate.artifact import load_translator, save_artifact
 from cagkv.translate.pairs import PairSet
 from cagkv.translate.runner import start_from_artifact
@@ -44,7 +43,7 @@ GRID = (0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0)
 @torch.no_grad()
 def layer_statistics(tr: Trainer, records: PairSet, limit: int, grid: tuple[float, ...]) -> dict[str, Any]:
     """Slope, squared correlation and attention KL per factor, per translated layer."""
-    cfg, spec = tr.mot.cfg, tr.target.spec
+    cfg = tr.mot.cfg
     n_tr = len(cfg.translated)
     cross, var_tr, var_nat = torch.zeros(n_tr), torch.zeros(n_tr), torch.zeros(n_tr)
     kl, count = torch.zeros(n_tr, len(grid)), 0
@@ -52,17 +51,13 @@ def layer_statistics(tr: Trainer, records: PairSet, limit: int, grid: tuple[floa
         rec = records[i]
         keys, _, _ = tr.translate_batch(tr.batch([rec]))
         n = int(rec["tgt_ids"].numel())
-        pos = torch.arange(tr.P + n)
         for j in range(len(rec["kinds"])):
             q_all = rec[f"c{j}_q"].float()  # [L, Hq, C, D], RoPE applied
             for li, layer in enumerate(cfg.translated):
-                pre = tr.pairs.prefix_k[layer].float()
-                k_nat = rotate(torch.cat([pre, rec["tgt_k"][layer].float()], 1), pos, spec.rope[layer])
-                s_nat = tr.attention_scores(q_all[layer], k_nat, layer)
+                s_nat = tr.prefix_chunk_scores(q_all[layer], rec["tgt_k"][layer].float(), layer)
                 lp_nat = torch.log_softmax(s_nat, -1)
                 for gi, factor in enumerate(grid):
-                    k_tr = rotate(torch.cat([pre, factor * keys[0, layer, :, :n]], 1), pos, spec.rope[layer])
-                    s_tr = tr.attention_scores(q_all[layer], k_tr, layer)
+                    s_tr = tr.prefix_chunk_scores(q_all[layer], factor * keys[0, layer, :, :n], layer)
                     kl[li, gi] += (lp_nat.exp() * (lp_nat - torch.log_softmax(s_tr, -1))).sum(-1).mean()
                     if factor == 1.0:
                         cn = s_nat[..., tr.P :] - s_nat[..., tr.P :].mean(-1, keepdim=True)

@@ -288,21 +288,25 @@ class Trainer:
             losses.append(((o_tr - o_nat) ** 2).sum() / (o_nat ** 2).sum().clamp(min=1e-8))
         return torch.stack(losses).mean()
 
+    def prefix_chunk_scores(self, q: torch.Tensor, chunk_keys: torch.Tensor, layer: int) -> torch.Tensor:
+        """Scaled scores `[Hq, C, P+T]` of stored (rotated) queries `q [Hq, C, D]` over the
+        shared prefix's keys followed by position-free chunk keys `[H, T, D]`, rotated at
+        their positions, as the target attends at a continuation."""
+        pre = self.pairs.prefix_k[layer].float()  # [H, P, D]
+        pos = torch.arange(self.P + chunk_keys.shape[1])
+        keys = rotate(torch.cat([pre, chunk_keys], 1), pos, self.target.spec.rope[layer])
+        return self.attention_scores(q, keys, layer)
+
     def key_attention_loss(self, keys: torch.Tensor, rec: dict[str, Any], b: int, j: int) -> torch.Tensor:
         """KL of the target's native queries' attention (continuation j's kept positions) over
         prefix + native chunk keys against prefix + translated keys, mean over translated
         layers, heads and queries: a loss on the keys alone (E29: the keys hold the error)."""
-        spec = self.target.spec
         n = int(rec["tgt_ids"].numel())
-        pos = torch.arange(self.P + n)
         q_all = rec[f"c{j}_q"].float()  # [L, Hq, C, D], RoPE applied
         losses = []
         for l in self.mot.cfg.translated:
-            pre = self.pairs.prefix_k[l].float()  # [H, P, D]
-            k_nat = rotate(torch.cat([pre, rec["tgt_k"][l].float()], 1), pos, spec.rope[l])  # [H, P+T, D]
-            k_tr = rotate(torch.cat([pre, keys[b, l, :, :n]], 1), pos, spec.rope[l])
-            lp_nat = torch.log_softmax(self.attention_scores(q_all[l], k_nat, l), -1)
-            lp_tr = torch.log_softmax(self.attention_scores(q_all[l], k_tr, l), -1)
+            lp_nat = torch.log_softmax(self.prefix_chunk_scores(q_all[l], rec["tgt_k"][l].float(), l), -1)
+            lp_tr = torch.log_softmax(self.prefix_chunk_scores(q_all[l], keys[b, l, :, :n], l), -1)
             losses.append((lp_nat.exp() * (lp_nat - lp_tr)).sum(-1).mean())
         return torch.stack(losses).mean()
 
