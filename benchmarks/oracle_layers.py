@@ -11,7 +11,10 @@ perfect: the share of the gap that the translation error of those layers costs.
 Hybrids (`--splits`, default all): `g<i>` one translator layer group native; `low<f>` /
 `high<f>` the lowest / highest fraction f of the layers native; `K` / `V` every layer's keys
 / values native; `l5+11` / `k5+11` / `v5+11` the K/V, keys or values of the named layers
-native (any layer set). Prints a table and writes per-question rows plus recoveries with paired
+native (any layer set); token sets, every layer's K and V native at a third of the chunk's
+tokens (`--token-splits`): `tfirst` / `tlast` the first / last third, `tq` the third the
+question attends to most over the translated cache (known at question time), `tqn` the
+same chosen over the native cache (an oracle choice). Prints a table and writes per-question rows plus recoveries with paired
 bootstrap intervals (`--out`).
 
 Example (the same 300 SQuAD questions and store as docs/results/squad300_smollm2_qwen25.json):
@@ -88,6 +91,54 @@ def hybrid(translated: Any, native: Any, layers: list[int], part: str) -> Any:
     return out
 
 
+TOKEN_SPLITS = ("tfirst", "tlast", "tq", "tqn")
+
+
+def question_attention(prepared: Any) -> torch.Tensor:
+    """Attention mass [next_position] the question's tokens give each cache position (all layers and heads)."""
+    model = prepared.target.model
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")  # sdpa returns no weights
+    try:
+        ids = list(prepared.prompt_ids)
+        positions = prepared.next_position + torch.arange(len(ids)).unsqueeze(0)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids]), cache=copy.deepcopy(prepared.cache), position_ids=positions,
+                        use_cache=True, output_attentions=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(before)
+    mass = torch.zeros(prepared.next_position)
+    for weights in out.attentions:  # [1, H, Q, K] with K = cache + question (a sliding layer may hold fewer)
+        past = weights[0, :, :, : weights.shape[-1] - len(ids)].float().sum(dim=(0, 1))
+        mass[prepared.next_position - past.shape[0]:] += past
+    return mass
+
+
+def token_positions(split: str, translated: Any, native: Any, start: int, fraction: float) -> list[int]:
+    """The chunk positions (from `start`, the prefix's end) that `split` takes from the native cache."""
+    end = translated.next_position
+    count = max(1, round((end - start) * fraction))
+    if split == "tfirst":
+        return list(range(start, start + count))
+    if split == "tlast":
+        return list(range(end - count, end))
+    mass = question_attention(translated if split == "tq" else native)[start:end]
+    return sorted(start + int(i) for i in torch.topk(mass, count).indices)
+
+
+def token_hybrid(translated: Any, native: Any, positions: list[int]) -> Any:
+    """A copy of `translated` with every layer's K/V at `positions` from `native`."""
+    out = copy.copy(translated)
+    out.cache = copy.deepcopy(translated.cache)
+    index = torch.tensor(positions)
+    for dst, src in zip(out.cache.layers, native.cache.layers):
+        if dst.keys.shape != src.keys.shape:
+            raise ValueError(f"native {tuple(src.keys.shape)} vs translated {tuple(dst.keys.shape)}")
+        dst.keys[:, :, index] = src.keys[:, :, index]
+        dst.values[:, :, index] = src.values[:, :, index]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--canonical", required=True)
@@ -97,7 +148,9 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store", default=None, help="eval store folder to reuse (as `cagkv eval --store`)")
-    p.add_argument("--splits", default="", help="comma-separated hybrid names (default: all)")
+    p.add_argument("--splits", default="", help="comma-separated hybrid names (default: all; `none`: token sets only)")
+    p.add_argument("--token-splits", default="", help=f"comma-separated token sets of {', '.join(TOKEN_SPLITS)}")
+    p.add_argument("--token-fraction", type=float, default=1 / 3, help="share of the chunk's tokens a token set holds")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -112,13 +165,21 @@ def main() -> None:
     store = default_store_factory(config)(workdir / "store")
     runner = ModeRunner(default_engine_factory(config)(store), config)
     splits = hybrid_splits(mot_cfg.groups, mot_cfg.tgt_layers)
-    if args.splits:
+    if args.splits == "none":
+        splits = {}
+    elif args.splits:
         wanted = args.splits.split(",")
         named = {s: splits.get(s) or layer_set_split(s, mot_cfg.tgt_layers) for s in wanted}
         unknown = [s for s, v in named.items() if v is None]
         if unknown:
             raise SystemExit(f"unknown splits {unknown}; known: {sorted(splits)}, or layer sets like l5+11, k5, v5")
         splits = named
+    token_splits = [t for t in args.token_splits.split(",") if t]
+    if set(token_splits) - set(TOKEN_SPLITS):
+        raise SystemExit(f"unknown token splits {sorted(set(token_splits) - set(TOKEN_SPLITS))}; known: {TOKEN_SPLITS}")
+    prefix_len = None
+    every_layer = list(range(mot_cfg.tgt_layers))
+    reported = {**splits, **{t: (every_layer, f"kv at {args.token_fraction:.2f} of the tokens") for t in token_splits}}
 
     rows: list[dict[str, Any]] = []
     doc_ids: dict[str, str] = {}
@@ -134,9 +195,14 @@ def main() -> None:
         row = {"id": ex.id, **{m: answer_logprob(pr, ex.answers[0]) for m, pr in prepared.items()}}
         for name, (layers, part) in splits.items():
             row[name] = answer_logprob(hybrid(tr, nat, layers, part), ex.answers[0])
+        if token_splits and prefix_len is None:
+            prefix_len = len(tr.fmt.context_prefix_ids())
+        for name in token_splits:
+            positions = token_positions(name, tr, nat, prefix_len, args.token_fraction)
+            row[name] = answer_logprob(token_hybrid(tr, nat, positions), ex.answers[0])
         rows.append(row)
         if n % 25 == 0 or n == len(examples):  # a run cut short keeps what it measured
-            summary = write_report(args, mot_cfg.groups, splits, rows, time.time() - t0)
+            summary = write_report(args, mot_cfg.groups, reported, rows, time.time() - t0)
             print(f"{n}/{len(examples)} questions, {time.time() - t0:.0f}s", flush=True)
     print_table(summary)
 
