@@ -46,6 +46,7 @@ from cagkv.eval.runner import (
     answer_logprob,
     ingest_contexts,
 )
+from cagkv.refresh import question_attention, top_positions
 from cagkv.translate import load_translator
 
 FRACTIONS = (1 / 3, 2 / 3)
@@ -94,36 +95,17 @@ def hybrid(translated: Any, native: Any, layers: list[int], part: str) -> Any:
 TOKEN_SPLITS = ("tfirst", "tlast", "tq", "tqn")
 
 
-def question_attention(prepared: Any) -> torch.Tensor:
-    """Attention mass [next_position] the question's tokens give each cache position (all layers and heads)."""
-    model = prepared.target.model
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eager")  # sdpa returns no weights
-    try:
-        ids = list(prepared.prompt_ids)
-        positions = prepared.next_position + torch.arange(len(ids)).unsqueeze(0)
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), cache=copy.deepcopy(prepared.cache), position_ids=positions,
-                        use_cache=True, output_attentions=True, logits_to_keep=1)
-    finally:
-        model.set_attn_implementation(before)
-    mass = torch.zeros(prepared.next_position)
-    for weights in out.attentions:  # [1, H, Q, K] with K = cache + question (a sliding layer may hold fewer)
-        past = weights[0, :, :, : weights.shape[-1] - len(ids)].float().sum(dim=(0, 1))
-        mass[prepared.next_position - past.shape[0]:] += past
-    return mass
-
-
 def token_positions(split: str, translated: Any, native: Any, start: int, fraction: float) -> list[int]:
     """The chunk positions (from `start`, the prefix's end) that `split` takes from the native cache."""
     end = translated.next_position
-    count = max(1, round((end - start) * fraction))
+    count = max(1, round((end - start) * fraction))  # as top_positions counts
     if split == "tfirst":
         return list(range(start, start + count))
     if split == "tlast":
         return list(range(end - count, end))
-    mass = question_attention(translated if split == "tq" else native)[start:end]
-    return sorted(start + int(i) for i in torch.topk(mass, count).indices)
+    chooser = translated if split == "tq" else native
+    mass = question_attention(chooser.target.model, chooser.cache, chooser.next_position, chooser.prompt_ids)
+    return top_positions(mass, range(start, end), fraction)
 
 
 def token_hybrid(translated: Any, native: Any, positions: list[int]) -> Any:

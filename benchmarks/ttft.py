@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from cagkv.errors import UsageError
-from cagkv.eval.runner import TTFT_KEYS, git_commit, machine_description, variant_spec
+from cagkv.eval.runner import TTFT_KEYS, Variant, git_commit, machine_description, variant_spec
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "examples" / "docs"
 QUESTION = "What is the main point the author makes?"
@@ -54,27 +54,29 @@ def context_of(text: str, tokenizer, n_tokens: int) -> str:
 ENGINE_MODES = ("none", "native", "canonical", "translate", "mot-window", "auto")
 
 
-def parse_mode(spec: str) -> tuple[str, str, str, str | None]:
-    """`[LABEL=]MODE[@R]` (an engine mode, replay R for translate: `r2=translate@2`) or
-    `LABEL=DIR[@R|@window]` (translate with the artifact in DIR, as in `cagkv eval`)
-    -> (label, engine mode, replay, translator dir or None)."""
+def parse_mode(spec: str) -> tuple[str, str, Variant, str | None]:
+    """`[LABEL=]MODE[@R|@refreshF]` (an engine mode, replay R or refresh F for translate:
+    `r2=translate@2`) or `LABEL=DIR[@R|@window|@refreshF]` (translate with the artifact in
+    DIR, as in `cagkv eval`) -> (label, engine mode, variant, translator dir or None)."""
     label, _, body = spec.partition("=")
     body = body or label
     try:  # the `cagkv eval` syntax and its checks, for engine modes and folders alike
-        path, count, window = variant_spec(body)
+        variant = variant_spec(body)
     except UsageError as e:
         raise SystemExit(f"{e} in {spec!r} (a translator folder goes before '@': LABEL=DIR@R)") from None
+    path = variant.path
     if path in ENGINE_MODES:
-        return label, "mot-window" if window else path, "" if count is None else str(count), None
+        return label, "mot-window" if variant.window else path, variant, None
     if not Path(path).is_dir():
         raise SystemExit(f"--modes: {path!r} is neither a mode ({', '.join(ENGINE_MODES)}) nor a translator folder")
-    return label, "mot-window" if window else "translate", "" if count is None else str(count), path
+    return label, "mot-window" if variant.window else "translate", variant, path
 
 
-def measure(engine, target: str, mode: str, replay: str, document_id: str, top_k: int) -> dict[str, float]:
-    """One answer's first-token timings for an engine mode (replay R for translate, "" for its default)."""
+def measure(engine, target: str, mode: str, variant: Variant, document_id: str, top_k: int) -> dict[str, float]:
+    """One answer's first-token timings for an engine mode (replay None: the translator's default)."""
+    replay = variant.replay if variant.replay is not None else (0 if mode == "translate" else None)
     prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
-                              replay=int(replay) if replay else (0 if mode == "translate" else None))
+                              replay=replay, refresh=variant.refresh)
     answer = engine.generate(prepared, max_new_tokens=1)
     split = {k: float(answer.timings_ms.get(k) or 0.0) for k in TTFT_KEYS}
     split["ttft"] = split["first_token"]  # the engine measures first_token from the question on
@@ -87,8 +89,9 @@ def main() -> None:
     parser.add_argument("--canonical", default="smollm2-135m")
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--modes", default="native,translate",
-                        help="engine modes, comma-separated; translate@R replays the top R target layers; "
-                             "LABEL=MODE names the row (r2=translate@2); LABEL=DIR[@R|@window] translates "
+                        help="engine modes, comma-separated; translate@R replays the top R target layers, "
+                             "translate@refreshF recomputes the question's share F of the chunk tokens; "
+                             "LABEL=MODE names the row (r2=translate@2); LABEL=DIR[@R|@window|@refreshF] translates "
                              "with the artifact in DIR (several artifacts side by side)")
     parser.add_argument("--translator", default=None,
                         help="translator artifact folder for plain translate modes (default: the installed one)")
@@ -132,8 +135,8 @@ def main() -> None:
         engines = {d: engine_for(d) for d in {spec[3] for spec in specs.values()}}
 
         def run(m: str, doc: str, top_k: int) -> dict[str, float]:
-            _, mode, replay, path = specs[m]
-            return measure(engines[path], args.target, mode, replay, doc, top_k)
+            _, mode, variant, path = specs[m]
+            return measure(engines[path], args.target, mode, variant, doc, top_k)
 
         for n, doc in zip(lengths, doc_ids):
             top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document

@@ -15,7 +15,9 @@ Modes:
     canonical   the target is the canonical model; stored blocks are used as they are.
     translate   a trained translator maps the canonical blocks to the target's KV;
                 `replay=r` lets the target recompute its top r layers over the chunks
-                (default: the translator card's measured `default_replay`).
+                (default: the translator card's measured `default_replay`);
+                `refresh=f` lets it recompute the fraction f of the chunk tokens its
+                question attends to most, through every layer (`cagkv.refresh`).
     mot-window  the paper's reference inference (baseline): the target recomputes every
                 layer over the chunks, attending over translated K/V in ~30 % of its layers.
     native      the target prefills the retrieved chunk text itself (the baseline).
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -194,9 +196,10 @@ class CAG:
         max_new_tokens: int = 64,
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
+        refresh: float = 0.0,
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store."""
-        prepared = self.prepare(question, target, mode, top_k, replay, document_ids)
+        prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh)
         return self.generate(prepared, max_new_tokens)
 
     def ask_stream(
@@ -208,11 +211,12 @@ class CAG:
         max_new_tokens: int = 64,
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
+        refresh: float = 0.0,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
 
         def run() -> Generator[str, None, Answer]:
-            prepared = self.prepare(question, target, mode, top_k, replay, document_ids)
+            prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh)
             return (yield from self._decode(prepared, max_new_tokens))
 
         return AnswerStream(run())
@@ -225,6 +229,7 @@ class CAG:
         top_k: int = 3,
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
+        refresh: float = 0.0,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -238,10 +243,14 @@ class CAG:
             raise UsageError(f"top_k must be at least 1, got {top_k}")
         if replay is not None and replay < 0:
             raise UsageError(f"replay must be >= 0, got {replay}")
+        if not 0 <= refresh <= 1:
+            raise UsageError(f"refresh is a fraction of the chunk tokens in [0, 1], got {refresh}")
         target_model = self.model(target or self.canonical)
         mode, reason, translator = self._resolve_mode(mode, target_model)
         if replay and mode != "translate":
             raise UsageError(f"replay needs mode translate (mode {mode} ran)")
+        if refresh and mode != "translate":
+            raise UsageError(f"refresh needs mode translate (mode {mode} ran)")
         if replay is None:  # the translator's measured default (0 where its card names none)
             replay = int(getattr(translator, "default_replay", 0) or 0) if mode == "translate" else 0
         if mode in ("canonical", *TRANSLATED):
@@ -280,8 +289,11 @@ class CAG:
             if mode == "native":
                 cache, n, pending = self.prefill_native(target_model, fmt, [h.text for h in in_context])
             else:
-                cache, n, pending = self.assemble(target_model, fmt, blocks)
+                cache, n, pending, starts = self.assemble(target_model, fmt, blocks, keep_all=refresh > 0)
         prompt_ids = pending + fmt.question_suffix_ids(question)
+        if refresh and blocks:
+            with _timer(timings, "replay"):
+                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh)
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
             target=target_model,
@@ -376,8 +388,8 @@ class CAG:
         return out
 
     def assemble(
-        self, target: LoadedModel, fmt: PromptFormat, blocks: Sequence[KVBlock]
-    ) -> tuple[Any, int, list[int]]:
+        self, target: LoadedModel, fmt: PromptFormat, blocks: Sequence[KVBlock], keep_all: bool = False
+    ) -> tuple[Any, int, list[int], list[int]]:
         """The prefix cache, then each block rotated at its assembled position.
 
         Canonical blocks carry their separator's KV (see `cagkv.prefill`): no forward at
@@ -385,13 +397,16 @@ class CAG:
         gets the separator computed natively after it; the last such separator is left
         pending, to go with the question suffix in one forward.
 
-        Returns (cache, tokens in the cache, ids still to feed before the question).
+        keep_all: sliding-window layers keep every token (what `refresh` needs).
+        Returns (cache, tokens in the cache, ids still to feed before the question, the
+        position each block starts at).
         """
         from cagkv.models import append_kv
 
-        cache, n = self.prefix_cache(target, fmt)
+        cache, n = self.prefix_cache(target, fmt, keep_all)
         sep = fmt.separator_ids()
         pending: list[int] = []
+        starts: list[int] = []
         run: list[KVBlock] = []  # consecutive blocks appended in one go (one copy per layer)
 
         def append_run() -> int:
@@ -410,10 +425,11 @@ class CAG:
                 n += append_run()
                 cache = _forward(target, pending, cache, n).cache
                 n += len(pending)
+            starts.append(n + sum(b.num_tokens for b in run))
             run.append(block)
             pending = [] if _has_separator(block, sep) else list(sep)
         n += append_run()
-        return cache, n, pending
+        return cache, n, pending, starts
 
     def prefill_native(
         self, target: LoadedModel, fmt: PromptFormat, chunk_texts: Sequence[str]
@@ -430,10 +446,33 @@ class CAG:
             cache = _forward(target, ids, cache, n).cache
         return cache, n + len(ids), []
 
-    def prefix_cache(self, target: LoadedModel, fmt: PromptFormat) -> tuple[Any, int]:
-        """A fresh copy of the target's cache of its context prefix (computed once per model)."""
+    def prefix_cache(self, target: LoadedModel, fmt: PromptFormat, keep_all: bool = False) -> tuple[Any, int]:
+        """A fresh copy of the target's cache of its context prefix (computed once per model);
+        with `keep_all`, one whose sliding-window layers never drop a token."""
         cache, n = self._prefix_entry(target, fmt)
-        return copy.deepcopy(cache), n
+        if not keep_all:
+            return copy.deepcopy(cache), n
+        from cagkv.models.cache import full_cache
+
+        full = full_cache()
+        for i, layer in enumerate(cache.layers):
+            full.update(layer.keys.clone(), layer.values.clone(), i)
+        return full, n
+
+    def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
+                placed: Iterable[tuple[int, KVBlock]], fraction: float) -> list[int]:
+        """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
+        position, block) that `prompt_ids` attend to most over `cache` (`cagkv.refresh`).
+        Returns the refreshed positions."""
+        from cagkv.refresh import question_attention, refresh_tokens, top_positions
+
+        token_at: dict[int, int] = {}
+        for start, block in placed:
+            token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
+        mass = question_attention(target.model, cache, n, prompt_ids)
+        chosen = top_positions(mass, sorted(token_at), fraction)
+        refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
+        return chosen
 
     def _prefix_entry(self, target: LoadedModel, fmt: PromptFormat) -> tuple[Any, int]:
         key = (target.fingerprint, str(target.dtype))

@@ -116,6 +116,11 @@ def ask_cmd(
         None, "--replay", min=0,
         help="Top target layers recomputed over the chunks (translate mode; default: the translator card's default_replay).",
     ),
+    refresh: float = typer.Option(
+        0.0, "--refresh", min=0.0, max=1.0,
+        help="Share of the chunk tokens the target recomputes through every layer, those the question "
+             "attends to most (translate mode; 0: none).",
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
@@ -132,7 +137,8 @@ def ask_cmd(
     if not question.strip():
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype)  # the engine checks the canonical tokenizer before using stored blocks
-    kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay}
+    kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay,
+              "refresh": refresh}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
         for piece in answer_stream:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cagkv.errors import UsageError
 from cagkv.eval.datasets import Example, load_dataset, unique_contexts
@@ -79,17 +79,18 @@ class EvalConfig:
     n_boot: int = 2000
     command: str | None = None
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window]" in --modes: a translated row labelled NAME, with the
-        # artifact at PATH (default: the installed translator), replay R or mot-window
+        # "NAME=[PATH][@R|@window|@refreshF]" in --modes: a translated row labelled NAME, with
+        # the artifact at PATH (default: the installed translator), replay R, mot-window, or
+        # translate with the question's share F of the chunk tokens recomputed
         labels = []
         for mode in self.modes:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -210,55 +211,73 @@ def ingest_contexts(store: Any, texts: Sequence[str], config: EvalConfig, prefix
 # ---------------------------------------------------------------------- modes -> engine calls
 
 
-def variant_spec(spec: str) -> tuple[str, int | None, bool]:
-    """`"[PATH][@R|@window]"` -> (artifact path or "" for the installed one, replay, window)."""
+class Variant(NamedTuple):
+    path: str  # artifact folder, "" for the installed translator
+    replay: int | None  # None: the translator's default
+    window: bool  # mot-window instead of translate
+    refresh: float = 0.0  # share of the chunk tokens the target recomputes (cagkv.refresh)
+
+
+def variant_spec(spec: str) -> Variant:
+    """`"[PATH][@R|@window|@refreshF]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
-        return path, None, False
+        return Variant(path, None, False)
     if mod == "window":
-        return path, None, True
+        return Variant(path, None, True)
+    if mod.startswith("refresh"):
+        try:
+            refresh = float(mod[len("refresh"):])
+        except ValueError:
+            raise UsageError(f"--modes: @refresh takes a fraction, as in @refresh0.33, got {mod!r}") from None
+        if not 0 < refresh <= 1:
+            raise UsageError(f"--modes: @refresh takes a fraction in (0, 1], got {refresh}")
+        return Variant(path, 0, False, refresh)
     try:
         replay = int(mod)
     except ValueError:
-        raise UsageError(f"--modes: after @ expected a replay count or 'window', got {mod!r}") from None
+        raise UsageError(f"--modes: after @ expected a replay count, 'window' or 'refreshF', got {mod!r}") from None
     if replay < 0:
         raise UsageError(f"--modes: replay must be >= 0, got {replay}")
-    return path, replay, False
+    return Variant(path, replay, False)
 
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window]` variant runs `translate`
-    (replay R) or `mot-window` with the artifact at PATH (default: the installed one), e.g.
-    the `linear` baseline, a single-expert ablation or one point of the replay curve."""
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF]` variant runs
+    `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
+    the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
+    the replay curve."""
 
     def __init__(self, engine: CAG, config: EvalConfig) -> None:
         self.engine = engine
         self.config = config
         self._variants: dict[str, CAG] = {}
 
-    def engine_for(self, mode: str) -> tuple[CAG, str, int | None]:
+    def engine_for(self, mode: str) -> tuple[CAG, str, Variant | None]:
         if mode not in self.config.variants:
             return self.engine, mode, None
-        path, replay, window = variant_spec(self.config.variants[mode])
+        variant = variant_spec(self.config.variants[mode])
+        path, engine_mode = variant.path, "mot-window" if variant.window else "translate"
         if not path:
-            return self.engine, "mot-window" if window else "translate", replay
+            return self.engine, engine_mode, variant
         if mode not in self._variants:
             from cagkv.pipeline import CAG
 
             base = self.engine
             self._variants[mode] = CAG(base.store, canonical=base.canonical, dtype=base.dtype,
                                        find_translator=_artifact_loader(path))
-        return self._variants[mode], "mot-window" if window else "translate", replay
+        return self._variants[mode], engine_mode, variant
 
     def prepare(self, mode: str, question: str, document_ids: list[str] | None,
                 top_k: int | None = None) -> tuple[CAG, Any]:
-        engine, engine_mode, replay = self.engine_for(mode)
+        engine, engine_mode, variant = self.engine_for(mode)
+        replay = None if variant is None else variant.replay
         if replay is None:
             replay = self.config.replay if engine_mode == "translate" else 0
         prepared = engine.prepare(question, target=self.config.target, mode=engine_mode,
                                   top_k=top_k or self.config.top_k, replay=replay,
-                                  document_ids=document_ids)
+                                  document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh)
         return engine, prepared
 
 

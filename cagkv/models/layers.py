@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["run_layers", "inject_kv", "decoder_of"]
+__all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types"]
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -36,7 +36,8 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _layer_types(config: Any, n: int) -> list[str]:
+def layer_types(config: Any, n: int) -> list[str]:
+    """Each layer's attention kind (`full_attention` / `sliding_attention`)."""
     types = getattr(config, "layer_types", None)
     return list(types) if types else ["full_attention"] * n
 
@@ -61,21 +62,24 @@ def _rotary(inner: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kin
 
 
 def run_layers(
-    model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, start: int, stop: int | None = None
+    model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, start: int, stop: int | None = None,
+    masks: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Layers `start..stop-1` over `hidden` `[B, T, E]` at `positions` `[B, T]`; returns the
-    residual stream after them (before the final norm). `cache` receives their K/V."""
+    residual stream after them (before the final norm). `cache` receives their K/V.
+    `masks`: an attention mask per layer kind, instead of the causal ones over `cache`."""
     inner = decoder_of(model)
     config = inner.config
     n = len(inner.layers)
     stop = n if stop is None else stop
     if not 0 <= start <= stop <= n:
         raise ValueError(f"layer range [{start}, {stop}) outside 0..{n}")
-    types = _layer_types(config, n)
+    types = layer_types(config, n)
     kinds = {types[i] for i in range(start, stop)}
     if not kinds:
         return hidden
-    masks = _masks(config, hidden, positions, cache, kinds)
+    if masks is None:
+        masks = _masks(config, hidden, positions, cache, kinds)
     rope = _rotary(inner, hidden, positions, kinds)
     for i in range(start, stop):
         hidden = inner.layers[i](

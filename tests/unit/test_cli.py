@@ -87,6 +87,8 @@ def test_ask_modes_and_stream(env, store):
                 "--max-new-tokens", "3")  # fmt: skip
     assert other.exit_code == 0, other.output
     assert json.loads(other.stdout)["mode"] == "native"  # auto, no translator: falls back
+    refresh = run("ask", "Who lit the lamp?", "--store", str(store), "--mode", "native", "--refresh", "0.3")
+    assert refresh.exit_code == 2 and "refresh needs mode translate" in refresh.output
 
 
 def test_ls_stats_rm_doctor(env, store):

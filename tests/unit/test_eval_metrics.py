@@ -323,18 +323,21 @@ def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from ttft import parse_mode
 
-    assert parse_mode("native") == ("native", "native", "", None)
-    assert parse_mode("r2=translate@2") == ("r2", "translate", "2", None)
-    assert parse_mode("cc=translate") == ("cc", "translate", "", None)
-    assert parse_mode(f"cc0={tmp_path}@0") == ("cc0", "translate", "0", str(tmp_path))
-    assert parse_mode(f"w={tmp_path}@window") == ("w", "mot-window", "", str(tmp_path))
+    from cagkv.eval.runner import Variant
+
+    assert parse_mode("native") == ("native", "native", Variant("native", None, False), None)
+    assert parse_mode("r2=translate@2") == ("r2", "translate", Variant("translate", 2, False), None)
+    assert parse_mode("cc=translate") == ("cc", "translate", Variant("translate", None, False), None)
+    assert parse_mode(f"cc0={tmp_path}@0") == ("cc0", "translate", Variant(str(tmp_path), 0, False), str(tmp_path))
+    assert parse_mode(f"w={tmp_path}@window") == ("w", "mot-window", Variant(str(tmp_path), None, True), str(tmp_path))
+    assert parse_mode("q=translate@refresh0.25") == ("q", "translate", Variant("translate", 0, False, 0.25), None)
     with pytest.raises(SystemExit, match="neither a mode"):
         parse_mode(f"x={tmp_path / 'missing'}@0")
     with pytest.raises(SystemExit, match="expected a replay count.*folder goes before"):
         parse_mode(f"lin=translate@{tmp_path}")  # the folder belongs before '@'
     with pytest.raises(SystemExit, match="replay must be >= 0"):
         parse_mode("r=translate@-1")
-    assert parse_mode("w=translate@window") == ("w", "mot-window", "", None)
+    assert parse_mode("w=translate@window") == ("w", "mot-window", Variant("translate", None, True), None)
 
 
 def test_oracle_layers_hybrid_takes_exactly_the_named_layers_and_parts() -> None:
@@ -368,6 +371,17 @@ def test_oracle_layers_hybrid_takes_exactly_the_named_layers_and_parts() -> None
         assert torch.equal(mixed.cache.layers[l].keys, want_k.cache.layers[l].keys)
         assert torch.equal(mixed.cache.layers[l].values, tr.cache.layers[l].values)
     assert float(tr.cache.layers[1].keys[0, 0, 0, 0]) == 1.0  # the translated cache is left as it was
+    # token sets: every layer, only the named positions, keys and values
+    from oracle_layers import token_hybrid, token_positions
+
+    tokens = token_hybrid(tr, nat, [1, 4])
+    for l in range(4):
+        for p in range(5):
+            src = nat if p in (1, 4) else tr
+            assert torch.equal(tokens.cache.layers[l].keys[:, :, p], src.cache.layers[l].keys[:, :, p])
+            assert torch.equal(tokens.cache.layers[l].values[:, :, p], src.cache.layers[l].values[:, :, p])
+    assert float(tr.cache.layers[0].keys[0, 0, 1, 0]) == 0.0
+    assert token_positions("tfirst", tr, nat, 1, 0.5) == [1, 2] and token_positions("tlast", tr, nat, 1, 0.5) == [3, 4]
     both = hybrid(tr, nat, [2], "kv")
     assert torch.equal(both.cache.layers[2].values, nat.cache.layers[2].values)
     nat.cache.layers[0].keys = torch.zeros(1, 2, 6, 4)

@@ -177,6 +177,74 @@ def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models
     assert (three.tokens["context"], three.tokens["prompt"]) == (native3.tokens["context"], native3.tokens["prompt"])
 
 
+class NoiseTranslator(PrefillTranslator):
+    """The chunk's own tokens with random K/V: a translation that carries nothing."""
+
+    def __init__(self):
+        super().__init__(with_separator=False)
+
+    def translate(self, block, target):
+        out = super().translate(block, target)
+        g = torch.Generator().manual_seed(self.calls)
+        return KVBlock(torch.randn(out.keys.shape, generator=g), torch.randn(out.values.shape, generator=g),
+                       out.token_ids, out.offsets, out.text, out.model_fingerprint)  # fmt: skip
+
+
+def _next_token_logits(cag, prepared):
+    from cagkv.eval.runner import continuation_logits
+
+    return continuation_logits(prepared, prepared.prompt_ids)[-1]
+
+
+@pytest.mark.parametrize("target", ["qwen2", "gemma"])
+def test_refreshing_every_token_of_a_useless_translation_gives_native_prefill(tmp_path, models, target):
+    # Gemma's tiny sliding window (8) is shorter than the chunk: the cache must keep every token
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
+    q = "Why did ships pass safely?"
+    native = cag.prepare(q, target=models[target], mode="native", top_k=1)
+    noisy = cag.prepare(q, target=models[target], mode="translate", top_k=1)
+    full = cag.prepare(q, target=models[target], mode="translate", top_k=1, refresh=1.0)
+    want = _next_token_logits(cag, native)
+    assert not torch.allclose(_next_token_logits(cag, noisy), want, atol=1e-3)
+    torch.testing.assert_close(_next_token_logits(cag, full), want, atol=1e-4, rtol=1e-4)
+    assert full.timings_ms["replay"] > 0 and noisy.timings_ms["replay"] == 0
+    answer = cag.generate(full, max_new_tokens=6)
+    assert answer.token_ids == cag.generate(native, max_new_tokens=6).token_ids
+
+
+def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, models, monkeypatch):
+    import cagkv.refresh
+
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
+    real, seen = cagkv.refresh.refresh_tokens, []
+
+    def spy(model, cache, token_ids, positions):
+        seen.append((list(token_ids), list(positions)))
+        return real(model, cache, token_ids, positions)
+
+    monkeypatch.setattr(cagkv.refresh, "refresh_tokens", spy)
+    prepared = cag.prepare("Why did ships pass safely?", target=models["qwen2"], mode="translate", top_k=3,
+                           refresh=0.25)  # fmt: skip
+    blocks = [cag.store.load_blocks([s.chunk])[0] for s in prepared.sources]  # best first
+    loaded = cag.model(models["qwen2"])
+    ids = [PromptFormat.for_model(loaded).chunk_ids(b.text) for b in blocks]
+    prefix = len(PromptFormat.for_model(loaded).context_prefix_ids())
+    token_ids, positions = seen[-1]
+    assert len(positions) == round(0.25 * sum(map(len, ids)))
+    # blocks sit best chunk last, each followed by the separator; only their tokens are chosen
+    sep, at, allowed = len(PromptFormat.for_model(loaded).separator_ids()), prefix, {}
+    for chunk in reversed(ids):
+        allowed.update(zip(range(at, at + len(chunk)), chunk))
+        at += len(chunk) + sep
+    assert all(allowed.get(p) == t for p, t in zip(positions, token_ids))
+    with pytest.raises(UsageError, match="refresh needs mode translate"):
+        cag.prepare("q?", target=models["qwen2"], mode="native", refresh=0.5)
+    with pytest.raises(UsageError, match="fraction"):
+        cag.prepare("q?", target=models["qwen2"], mode="translate", refresh=1.5)
+
+
 def test_stream_yields_the_answer(tmp_path, models):
     _, cag = make_store(tmp_path, models["gemma"], [DOC_A])
     stream = cag.ask_stream("Who lit the lamp?", mode="canonical", max_new_tokens=10)

@@ -1,0 +1,130 @@
+"""Question-time refresh: the target recomputes the part of a translated cache its question reads.
+
+A translated cache is cheap but imperfect; native prefill is exact but costs the whole
+chunk. `refresh` spends a fraction of the prefill on the tokens that matter for *this*
+question: the question is run once over the translated cache, the chunk tokens it attends to
+most (attention mass summed over layers, heads and question tokens) are chosen, and the
+target recomputes those tokens through every layer, each attending to the cache before it
+(translated entries of the rest, fresh entries of the refreshed tokens). Their keys and
+values then replace the translated ones in place. The cost is one pass of the question plus
+`fraction` of the chunk's tokens through the target (docs/EXPERIMENTS.md E39, E40).
+
+Example:
+    >>> mass = question_attention(target.model, cache, n, prompt_ids)          # doctest: +SKIP
+    >>> chosen = top_positions(mass, candidates, fraction=1 / 3)               # doctest: +SKIP
+    >>> refresh_tokens(target.model, cache, [token_of[p] for p in chosen], chosen)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from cagkv.models.cache import full_cache, layer_span
+from cagkv.models.layers import decoder_of, layer_types, run_layers
+
+__all__ = ["question_attention", "top_positions", "refresh_tokens"]
+
+
+@torch.inference_mode()
+def question_attention(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]) -> torch.Tensor:
+    """Attention mass `[n]` that `prompt_ids`, placed after the `n` cached tokens, give each cached position.
+
+    `cache` is not changed (the pass runs on a copy). Uses eager attention for this one pass
+    (the only implementation that returns the weights) and restores the model's own after.
+    """
+    ids = list(prompt_ids)
+    if not ids:
+        raise ValueError("no prompt tokens to measure attention from")
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        positions = (n + torch.arange(len(ids))).unsqueeze(0)
+        out = model(input_ids=torch.tensor([ids]), cache=copy.deepcopy(cache), position_ids=positions,
+                    use_cache=True, output_attentions=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(before)
+    mass = torch.zeros(n)
+    for weights in out.attentions:  # [1, H, Q, K]: K = what the layer holds (a sliding layer may hold fewer) + Q
+        held = weights[0, :, :, : weights.shape[-1] - len(ids)].float().sum(dim=(0, 1))
+        mass[n - held.shape[0]:] += held
+    return mass
+
+
+def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float) -> list[int]:
+    """The `round(fraction * len(candidates))` candidate positions (at least one) with the most mass, sorted."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if not candidates:
+        return []
+    index = torch.as_tensor(list(candidates), dtype=torch.long)
+    count = max(1, round(fraction * len(index)))
+    best = torch.topk(mass[index], count).indices
+    return sorted(int(p) for p in index[best])
+
+
+def _mask(key_positions: torch.Tensor, stale: torch.Tensor, query_positions: torch.Tensor,
+          window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask `[1, 1, Q, K]`: a query sees keys at or before its position, not stale ones, within `window`."""
+    allowed = (key_positions[None, :] <= query_positions[:, None]) & ~stale[None, :]
+    if window:
+        allowed &= (query_positions[:, None] - key_positions[None, :]) < window
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@torch.inference_mode()
+def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], positions: Sequence[int]) -> None:
+    """Recompute `token_ids` at `positions` (sorted, all already in `cache`) through every layer, in place.
+
+    Each token attends causally to the cache's entries before it, except the stale entries at
+    `positions`, and to the recomputed tokens at or before it; then its keys and values
+    replace the stale ones on every layer that still holds that position.
+    """
+    if len(token_ids) != len(positions):
+        raise ValueError(f"{len(token_ids)} tokens for {len(positions)} positions")
+    if not positions:
+        return
+    pos = torch.as_tensor(list(positions), dtype=torch.long)
+    if bool((pos[1:] <= pos[:-1]).any()):
+        raise ValueError("positions must be strictly increasing")
+    inner = decoder_of(model)
+    n_layers = len(inner.layers)
+    if len(cache.layers) != n_layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, the model {n_layers}")
+    types = layer_types(inner.config, n_layers)
+    window = getattr(inner.config, "sliding_window", None)
+    work = full_cache()  # never trims, so the fresh entries are the last len(pos) of every layer
+    spans = []
+    for i, layer in enumerate(cache.layers):
+        first, total = layer_span(cache, i)
+        if int(pos[-1]) >= total:
+            raise ValueError(f"position {int(pos[-1])} is not in the cache (layer {i} holds [{first}, {total}))")
+        reach = max(0, int(pos[0]) - window + 1) if window and types[i] == "sliding_attention" else 0
+        if first > reach:  # a trimmed sliding layer: what the token attended to is gone
+            raise ValueError(
+                f"layer {i} holds tokens [{first}, {total}) only; recomputing position {int(pos[0])} needs them "
+                f"from {reach}: assemble the cache with full_cache() to refresh it"
+            )
+        spans.append((first, total))
+        work.update(layer.keys, layer.values, i)
+    dtype = cache.layers[0].keys.dtype
+    masks = {}
+    for kind in set(types):
+        first, total = spans[types.index(kind)]
+        held = torch.arange(first, total)
+        key_positions = torch.cat([held, pos])
+        stale = torch.cat([torch.isin(held, pos), torch.zeros(len(pos), dtype=torch.bool)])
+        masks[kind] = _mask(key_positions, stale, pos, window if kind == "sliding_attention" else None, dtype)
+    hidden = model.get_input_embeddings()(torch.tensor([list(token_ids)]))
+    run_layers(model, hidden.to(dtype), pos[None], work, 0, masks=masks)
+    for i, layer in enumerate(cache.layers):
+        first, _ = spans[i]
+        kept = pos >= first
+        local = pos[kept] - first
+        layer.keys[:, :, local] = work.layers[i].keys[:, :, -len(pos):][:, :, kept]
+        layer.values[:, :, local] = work.layers[i].values[:, :, -len(pos):][:, :, kept]

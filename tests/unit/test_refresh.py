@@ -1,0 +1,99 @@
+"""Question-time refresh (cagkv.refresh): recomputed tokens get exactly the target's own K/V."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tiny_lms import tiny
+
+from cagkv.models.cache import full_cache
+from cagkv.refresh import question_attention, refresh_tokens, top_positions
+
+
+def _native(model, ids: torch.Tensor, cache_factory=full_cache):
+    with torch.no_grad():
+        cache = cache_factory()
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _corrupt(cache, positions: list[int]) -> None:
+    """Random K/V at `positions` on every layer (what a bad translation would leave)."""
+    g = torch.Generator().manual_seed(1)
+    for layer in cache.layers:
+        for p in positions:
+            layer.keys[:, :, p] = torch.randn(layer.keys[:, :, p].shape, generator=g)
+            layer.values[:, :, p] = torch.randn(layer.values[:, :, p].shape, generator=g)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("positions", [[3, 4, 9, 15], list(range(2, 20))])
+def test_refreshing_corrupted_tokens_gives_back_the_native_cache(family: str, positions: list[int]) -> None:
+    # 20 tokens: longer than Gemma-3's tiny sliding window (8), so the window masks are exercised
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(0))
+    native = _native(lm.model, ids)
+    cache = copy.deepcopy(native)
+    _corrupt(cache, positions)
+    assert not torch.allclose(cache.layers[0].keys, native.layers[0].keys)
+    refresh_tokens(lm.model, cache, ids[0, positions].tolist(), positions)
+    for got, want in zip(cache.layers, native.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+def test_refresh_refuses_a_trimmed_sliding_window_cache() -> None:
+    # the model's own cache keeps only a sliding layer's window: a token's recomputation would
+    # need keys it has dropped, so the refresh says how to keep them instead of going wrong
+    from transformers import DynamicCache
+
+    lm = tiny("gemma3_text")
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(2))
+    native = _native(lm.model, ids, lambda: DynamicCache(config=lm.config))
+    assert native.layers[0].keys.shape[2] < 20
+    with pytest.raises(ValueError, match="full_cache"):
+        refresh_tokens(lm.model, native, [int(ids[0, 17])], [17])
+
+
+def test_refresh_rejects_bad_positions() -> None:
+    lm = tiny("llama")
+    cache = _native(lm.model, torch.randint(3, 90, (1, 10)))
+    with pytest.raises(ValueError, match="increasing"):
+        refresh_tokens(lm.model, cache, [5, 6], [4, 2])
+    with pytest.raises(ValueError, match="not in the cache"):
+        refresh_tokens(lm.model, cache, [5], [10])
+    with pytest.raises(ValueError, match="2 tokens for 1"):
+        refresh_tokens(lm.model, cache, [5, 6], [3])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_question_attention_is_the_mass_the_prompt_puts_on_each_cached_token(family: str) -> None:
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = _native(lm.model, ids)
+    before = lm.model.config._attn_implementation
+    prompt = [11, 12, 13]
+    mass = question_attention(lm.model, cache, 12, prompt)
+    assert lm.model.config._attn_implementation == before  # restored
+    assert cache.layers[0].keys.shape[2] == 12  # the pass ran on a copy
+    # the same mass from one eager forward over context + prompt (Gemma-3's sliding layers mask by window)
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = lm.model(input_ids=torch.cat([ids, torch.tensor([prompt])], 1), output_attentions=True)
+    finally:
+        lm.model.set_attn_implementation(before)
+    want = sum(a[0, :, 12:, :12].sum(dim=(0, 1)) for a in out.attentions)
+    torch.testing.assert_close(mass, want, atol=1e-4, rtol=1e-4)
+
+
+def test_top_positions_picks_the_most_attended_candidates() -> None:
+    mass = torch.tensor([9.0, 0.1, 5.0, 0.2, 3.0, 4.0])
+    assert top_positions(mass, [1, 2, 3, 4, 5], 0.4) == [2, 5]
+    assert top_positions(mass, [1, 3], 0.1) == [3]  # at least one
+    assert top_positions(mass, [], 0.5) == []
+    with pytest.raises(ValueError):
+        top_positions(mass, [1], 0)
