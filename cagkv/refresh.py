@@ -44,8 +44,9 @@ def question_attention(model: nn.Module, cache: Any, n: int, prompt_ids: Sequenc
     model.set_attn_implementation("eager")
     try:
         positions = (n + torch.arange(len(ids))).unsqueeze(0)
-        out = model(input_ids=torch.tensor([ids]), cache=copy.deepcopy(cache), position_ids=positions,
-                    use_cache=True, output_attentions=True, logits_to_keep=1)
+        # the decoder only: the LM head (a 262k vocabulary on Gemma-3) would double this pass's time
+        out = decoder_of(model)(input_ids=torch.tensor([ids]), cache=copy.deepcopy(cache), position_ids=positions,
+                                use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation(before)
     mass = torch.zeros(n)
