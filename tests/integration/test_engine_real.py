@@ -58,3 +58,23 @@ def test_another_family_answers_natively_and_auto_says_so(cag):
     assert auto.mode in ("native", "translate") and auto.mode_reason.startswith("auto")
     if auto.mode == "native":
         assert auto.token_ids == native.token_ids
+
+
+def test_refresh_on_the_real_translator(cag):
+    """Refresh 1.0 over the shipped SmolLM2 -> Gemma-3 translation is Gemma-3's own prefill
+    (same greedy tokens); a third refreshed lands between translation and native on the
+    answer's log-prob."""
+    need("gemma3-270m")
+    from cagkv.eval.runner import answer_logprob
+
+    answer = "nothing happens"
+    target = "gemma3-270m"
+    native = cag.prepare(QUESTION, target=target, mode="native")
+    if cag.prepare(QUESTION, target=target, mode="auto").mode != "translate":
+        pytest.skip("no good-enough SmolLM2 -> Gemma-3 translator installed")
+    full = cag.prepare(QUESTION, target=target, mode="translate", refresh=1.0)
+    assert abs(answer_logprob(full, answer) - answer_logprob(native, answer)) < 1e-3
+    assert cag.generate(full, 12).token_ids == cag.generate(native, 12).token_ids
+    third = cag.prepare(QUESTION, target=target, mode="translate", refresh=1 / 3)
+    assert third.timings_ms["replay"] > 0 and third.context_tokens == native.context_tokens
+    assert answer_logprob(third, answer) > answer_logprob(cag.prepare(QUESTION, target=target, mode="none"), answer)
