@@ -394,41 +394,46 @@ class CAG:
 
         Canonical blocks carry their separator's KV (see `cagkv.prefill`): no forward at
         all. A block without one (a translated block holds the chunk text's tokens only)
-        gets the separator computed natively after it; the last such separator is left
-        pending, to go with the question suffix in one forward.
+        gets the separator computed natively after it, over everything before it; all such
+        separators are computed in one forward (`cagkv.refresh.refresh_tokens`: one pass
+        costs about what one separator's did on CPU, where reading the weights dominates),
+        and the last one is left pending, to go with the question suffix.
 
         keep_all: sliding-window layers keep every token (what `refresh` needs).
         Returns (cache, tokens in the cache, ids still to feed before the question, the
         position each block starts at).
         """
         from cagkv.models import append_kv
+        from cagkv.models.cache import model_layout
+        from cagkv.refresh import refresh_tokens
 
-        cache, n = self.prefix_cache(target, fmt, keep_all)
+        cache, n = self.prefix_cache(target, fmt, keep_all=True)  # the separators need every token
+        first = n
         sep = fmt.separator_ids()
         pending: list[int] = []
         starts: list[int] = []
-        run: list[KVBlock] = []  # consecutive blocks appended in one go (one copy per layer)
-
-        def append_run() -> int:
-            if not run:
-                return 0
-            # keys stay in their stored dtype: rotation runs in fp32, then casts (bf16-exact)
-            keys = torch.cat([b.keys for b in run], dim=2)  # [L, H, sum T, D]
-            values = torch.cat([b.values for b in run], dim=2)
-            positions = torch.arange(n, n + keys.shape[2], dtype=torch.long)  # assembled positions
-            append_kv(cache, target.spec, keys, values, positions, dtype=target.dtype)
-            run.clear()
-            return int(keys.shape[2])
-
+        gaps: list[int] = []  # separator positions, filled in below
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for block in blocks:
-            if pending:  # the previous block's separator, computed over everything before it
-                n += append_run()
-                cache = _forward(target, pending, cache, n).cache
+            if pending:  # the previous block's separator: a placeholder for now
+                shape = (*block.keys.shape[:2], len(pending), block.keys.shape[3])
+                keys.append(torch.zeros(shape, dtype=block.keys.dtype))
+                values.append(torch.zeros(shape, dtype=block.values.dtype))
+                gaps += range(n, n + len(pending))
                 n += len(pending)
-            starts.append(n + sum(b.num_tokens for b in run))
-            run.append(block)
+            starts.append(n)
+            keys.append(block.keys)
+            values.append(block.values)
+            n += block.num_tokens
             pending = [] if _has_separator(block, sep) else list(sep)
-        n += append_run()
+        if keys:  # one copy per layer; keys rotate in fp32, then cast (bf16-exact)
+            append_kv(cache, target.spec, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                      torch.arange(first, n, dtype=torch.long), dtype=target.dtype)
+        if gaps:
+            refresh_tokens(target.model, cache, sep * (len(gaps) // len(sep)), gaps)
+        if not keep_all:
+            cache = model_layout(target.config, cache)
         return cache, n, pending, starts
 
     def prefill_native(

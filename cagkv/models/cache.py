@@ -41,6 +41,21 @@ def full_cache() -> "DynamicCache":
     return DynamicCache()
 
 
+def model_layout(config: Any, cache: Any) -> "DynamicCache":
+    """`cache` (every token on every layer, as `full_cache()` keeps them) in the layout the
+    model builds for itself: sliding-window layers keep only their window. The same cache
+    when the config names no per-layer kinds (then no layer trims)."""
+    from transformers import DynamicCache
+
+    out = DynamicCache(config=config)
+    if len(out.layers) != len(cache.layers):
+        return cache
+    for src, dst in zip(cache.layers, out.layers):
+        if src.keys is not None and src.keys.numel():
+            dst.update(src.keys, src.values)
+    return out
+
+
 def layer_span(cache: Any, layer: int) -> tuple[int, int]:
     """(first absolute index held, true length) of one layer of an HF cache."""
     lay = cache.layers[layer]

@@ -177,6 +177,35 @@ def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models
     assert (three.tokens["context"], three.tokens["prompt"]) == (native3.tokens["context"], native3.tokens["prompt"])
 
 
+@pytest.mark.parametrize("target", ["qwen2", "gemma"])
+def test_separators_in_one_forward_equal_one_forward_each(tmp_path, models, target):
+    """assemble computes every separator between translated blocks in one pass; the cache is
+    the one a forward per separator builds (Gemma: 3 chunks overflow its sliding window of 8)."""
+    from cagkv.models import append_kv
+    from cagkv.pipeline import _forward
+
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    translator = PrefillTranslator(with_separator=False)
+    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    prepared = cag.prepare("Why did ships pass safely?", target=models[target], mode="translate", top_k=3)
+    loaded = cag.model(models[target])
+    fmt = PromptFormat.for_model(loaded)
+    blocks = [translator.translate(cag.store.load_blocks([s.chunk])[0], loaded) for s in prepared.sources[::-1]]
+    assert len(blocks) == 3
+    cache, n = cag.prefix_cache(loaded, fmt)
+    for i, block in enumerate(blocks):  # the reference: one forward per separator
+        append_kv(cache, loaded.spec, block.keys, block.values, torch.arange(n, n + block.num_tokens))
+        n += block.num_tokens
+        if i < len(blocks) - 1:
+            cache = _forward(loaded, fmt.separator_ids(), cache, n).cache
+            n += len(fmt.separator_ids())
+    assert n == prepared.next_position and prepared.prompt_ids[: len(fmt.separator_ids())] == fmt.separator_ids()
+    for got, want in zip(prepared.cache.layers, cache.layers):
+        assert got.keys.shape == want.keys.shape and got.get_seq_length() == want.get_seq_length()
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
 class NoiseTranslator(PrefillTranslator):
     """The chunk's own tokens with random K/V: a translation that carries nothing."""
 
