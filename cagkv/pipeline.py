@@ -407,9 +407,11 @@ class CAG:
         from cagkv.models.cache import model_layout
         from cagkv.refresh import refresh_tokens
 
-        cache, n = self.prefix_cache(target, fmt, keep_all=True)  # the separators need every token
-        first = n
         sep = fmt.separator_ids()
+        # computing separators over the blocks needs every token (a trimmed window would not do)
+        full = keep_all or any(not _has_separator(b, sep) for b in blocks[:-1])
+        cache, n = self.prefix_cache(target, fmt, keep_all=full)
+        first = n
         pending: list[int] = []
         starts: list[int] = []
         gaps: list[int] = []  # separator positions, filled in below
@@ -432,7 +434,7 @@ class CAG:
                       torch.arange(first, n, dtype=torch.long), dtype=target.dtype)
         if gaps:
             refresh_tokens(target.model, cache, sep * (len(gaps) // len(sep)), gaps)
-        if not keep_all:
+        if full and not keep_all:
             cache = model_layout(target.config, cache)
         return cache, n, pending, starts
 
