@@ -456,15 +456,10 @@ class CAG:
     def prefix_cache(self, target: LoadedModel, fmt: PromptFormat, keep_all: bool = False) -> tuple[Any, int]:
         """A fresh copy of the target's cache of its context prefix (computed once per model);
         with `keep_all`, one whose sliding-window layers never drop a token."""
-        cache, n = self._prefix_entry(target, fmt)
-        if not keep_all:
-            return copy.deepcopy(cache), n
-        from cagkv.models.cache import full_cache
+        from cagkv.models.cache import full_copy
 
-        full = full_cache()
-        for i, layer in enumerate(cache.layers):
-            full.update(layer.keys.clone(), layer.values.clone(), i)
-        return full, n
+        cache, n = self._prefix_entry(target, fmt)
+        return (full_copy(copy.deepcopy(cache)) if keep_all else copy.deepcopy(cache)), n
 
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
                 placed: Iterable[tuple[int, KVBlock]], fraction: float) -> list[int]:

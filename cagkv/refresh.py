@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cagkv.models.cache import full_cache, layer_span
+from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
 __all__ = ["question_attention", "top_positions", "refresh_tokens"]
@@ -84,7 +84,8 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
 
     Each token attends causally to the cache's entries before it, except the stale entries at
     `positions`, and to the recomputed tokens at or before it; then its keys and values
-    replace the stale ones on every layer that still holds that position.
+    replace the stale ones on every layer. Every layer must hold what the tokens attend to
+    (a sliding layer trimmed past a token's window is refused).
     """
     if len(token_ids) != len(positions):
         raise ValueError(f"{len(token_ids)} tokens for {len(positions)} positions")
@@ -99,7 +100,6 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
         raise ValueError(f"cache has {len(cache.layers)} layers, the model {n_layers}")
     types = layer_types(inner.config, n_layers)
     window = getattr(inner.config, "sliding_window", None)
-    work = full_cache()  # never trims, so the fresh entries are the last len(pos) of every layer
     spans = []
     for i, layer in enumerate(cache.layers):
         first, total = layer_span(cache, i)
@@ -112,7 +112,7 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
                 f"from {reach}: assemble the cache with full_cache() to refresh it"
             )
         spans.append((first, total))
-        work.update(layer.keys, layer.values, i)
+    work = full_copy(cache)  # never trims, so the fresh entries are the last len(pos) of every layer
     dtype = cache.layers[0].keys.dtype
     masks = {}
     for kind in set(types):
@@ -123,9 +123,7 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
         masks[kind] = _mask(key_positions, stale, pos, window if kind == "sliding_attention" else None, dtype)
     hidden = model.get_input_embeddings()(torch.tensor([list(token_ids)]))
     run_layers(model, hidden.to(dtype), pos[None], work, 0, masks=masks)
-    for i, layer in enumerate(cache.layers):
-        first, _ = spans[i]
-        kept = pos >= first
-        local = pos[kept] - first
-        layer.keys[:, :, local] = work.layers[i].keys[:, :, -len(pos):][:, :, kept]
-        layer.values[:, :, local] = work.layers[i].values[:, :, -len(pos):][:, :, kept]
+    for (first, _), layer, fresh in zip(spans, cache.layers, work.layers):
+        local = pos - first  # every position is held: checked above
+        layer.keys[:, :, local] = fresh.keys[:, :, -len(pos):]
+        layer.values[:, :, local] = fresh.values[:, :, -len(pos):]

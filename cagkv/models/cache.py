@@ -41,6 +41,16 @@ def full_cache() -> "DynamicCache":
     return DynamicCache()
 
 
+def full_copy(cache: Any) -> "DynamicCache":
+    """A `full_cache()` holding `cache`'s entries, layer by layer (the inverse of
+    `model_layout`). The tensors are shared: appending makes new ones and leaves `cache`
+    as it was; clone first to write into either in place."""
+    full = full_cache()
+    for i, layer in enumerate(cache.layers):
+        full.update(layer.keys, layer.values, i)
+    return full
+
+
 def model_layout(config: Any, cache: Any) -> "DynamicCache":
     """`cache` (every token on every layer, as `full_cache()` keeps them) in the layout the
     model builds for itself: sliding-window layers keep only their window. The same cache
