@@ -158,6 +158,8 @@ def ask_cmd(
 
 def format_details(answer: Any) -> str:
     """Mode, sources and the timing split under a printed answer."""
+    from cagkv.pipeline import TIMING_KEYS
+
     t = answer.timings_ms
     lines = [
         "",
@@ -165,10 +167,7 @@ def format_details(answer: Any) -> str:
     ]
     for s in answer.sources:
         lines.append(f"  source doc {s.document} chunk {s.chunk} score {s.score:.3f}  {s.source}")
-    lines.append(
-        "  timings ms: " + ", ".join(f"{k} {t[k]:.0f}" for k in
-                                     ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total"))
-    )  # fmt: skip
+    lines.append("  timings ms: " + ", ".join(f"{k} {t[k]:.0f}" for k in TIMING_KEYS))
     tok = answer.tokens
     lines.append(f"  tokens: context {tok['context']}, prompt {tok['prompt']}, generated {tok['generated']}")
     return "\n".join(lines)

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cagkv.eval.metrics import Interval, bootstrap_mean, recovery
+from cagkv.pipeline import TIMING_KEYS
 
 QUALITY_METRICS = ("em", "f1", "answer_logprob")
-TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
 BASELINE_MODES = ("none", "native")
 
 

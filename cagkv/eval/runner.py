@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from cagkv.pipeline import CAG
 
-TTFT_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token")
+TTFT_KEYS = TIMING_KEYS[:-1]  # every phase up to the first token
 BASELINES = ("none", "native")
 
 
