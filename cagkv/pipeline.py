@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
 TRANSLATED = ("translate", "mot-window")
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
+# the question-agnostic prompt `refresh_scoring="contrast"` measures the question's attention against
+NEUTRAL_QUESTION = "What does the text say?"
 _RETRIEVE_RETRIES = 5  # searches again when a concurrent writer removed a hit before its load
 
 
@@ -197,9 +199,10 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float = 0.0,
+        refresh_scoring: str = "attention",
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store."""
-        prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh)
+        prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring)
         return self.generate(prepared, max_new_tokens)
 
     def ask_stream(
@@ -212,11 +215,12 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float = 0.0,
+        refresh_scoring: str = "attention",
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
 
         def run() -> Generator[str, None, Answer]:
-            prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh)
+            prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring)
             return (yield from self._decode(prepared, max_new_tokens))
 
         return AnswerStream(run())
@@ -230,6 +234,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float = 0.0,
+        refresh_scoring: str = "attention",
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -245,6 +250,10 @@ class CAG:
             raise UsageError(f"replay must be >= 0, got {replay}")
         if not 0 <= refresh <= 1:
             raise UsageError(f"refresh is a fraction of the chunk tokens in [0, 1], got {refresh}")
+        from cagkv.refresh import SCORINGS
+
+        if refresh_scoring not in SCORINGS:
+            raise UsageError(f"unknown refresh_scoring {refresh_scoring!r}: expected one of {', '.join(SCORINGS)}")
         target_model = self.model(target or self.canonical)
         mode, reason, translator = self._resolve_mode(mode, target_model)
         if replay and mode != "translate":
@@ -293,7 +302,8 @@ class CAG:
         prompt_ids = pending + fmt.question_suffix_ids(question)
         if refresh and blocks:
             with _timer(timings, "replay"):
-                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh)
+                baseline_ids = pending + fmt.question_suffix_ids(NEUTRAL_QUESTION) if refresh_scoring == "contrast" else None
+                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, baseline_ids)
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
             target=target_model,
@@ -462,17 +472,22 @@ class CAG:
         return (full_copy(copy.deepcopy(cache)) if keep_all else copy.deepcopy(cache)), n
 
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
-                placed: Iterable[tuple[int, KVBlock]], fraction: float) -> list[int]:
+                placed: Iterable[tuple[int, KVBlock]], fraction: float,
+                baseline_ids: Sequence[int] | None = None) -> list[int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
-        position, block) that `prompt_ids` attend to most over `cache` (`cagkv.refresh`).
+        position, block) that `prompt_ids` attend to most over `cache` (`cagkv.refresh`);
+        with `baseline_ids`, most relative to what that prompt attends to (`contrast`).
         Returns the refreshed positions."""
-        from cagkv.refresh import question_attention, refresh_tokens, top_positions
+        from cagkv.refresh import contrast, question_attention, refresh_tokens, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
             token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
+        candidates = sorted(token_at)
         mass = question_attention(target.model, cache, n, prompt_ids)
-        chosen = top_positions(mass, sorted(token_at), fraction)
+        if baseline_ids is not None:
+            mass = contrast(mass, question_attention(target.model, cache, n, baseline_ids), candidates)
+        chosen = top_positions(mass, candidates, fraction)
         refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
         return chosen
 

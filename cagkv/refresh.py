@@ -27,7 +27,11 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
-__all__ = ["question_attention", "top_positions", "refresh_tokens"]
+__all__ = ["SCORINGS", "question_attention", "contrast", "top_positions", "refresh_tokens"]
+
+# how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
+# mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43)
+SCORINGS = ("attention", "contrast")
 
 
 @torch.inference_mode()
@@ -54,6 +58,18 @@ def question_attention(model: nn.Module, cache: Any, n: int, prompt_ids: Sequenc
         held = weights[0, :, :, : weights.shape[-1] - len(ids)].float().sum(dim=(0, 1))
         mass[n - held.shape[0]:] += held
     return mass
+
+
+def contrast(mass: torch.Tensor, baseline: torch.Tensor, candidates: Sequence[int]) -> torch.Tensor:
+    """`(mass + c) / (baseline + c)`: how much more the question reads each position than a
+    prompt that asks nothing in particular (`c`, the baseline's mean over `candidates`, keeps
+    positions that neither reads from ranking high on noise).
+
+    Summed attention favours the positions every prompt reads (sentence ends, line breaks,
+    the first tokens of a chunk: attention sinks); the ratio keeps what this question reads.
+    """
+    c = baseline[torch.as_tensor(list(candidates), dtype=torch.long)].mean() if candidates else baseline.new_tensor(0.0)
+    return (mass + c) / (baseline + c)
 
 
 def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float) -> list[int]:

@@ -79,10 +79,10 @@ class EvalConfig:
     n_boot: int = 2000
     command: str | None = None
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING]]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING]]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -90,7 +90,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING]], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -216,23 +216,30 @@ class Variant(NamedTuple):
     replay: int | None  # None: the translator's default
     window: bool  # mot-window instead of translate
     refresh: float = 0.0  # share of the chunk tokens the target recomputes (cagkv.refresh)
+    refresh_scoring: str = "attention"  # how they are chosen (cagkv.refresh.SCORINGS)
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING]]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
     if mod == "window":
         return Variant(path, None, True)
     if mod.startswith("refresh"):
+        from cagkv.refresh import SCORINGS
+
+        fraction, _, scoring = mod[len("refresh"):].partition(":")
         try:
-            refresh = float(mod[len("refresh"):])
+            refresh = float(fraction)
         except ValueError:
             raise UsageError(f"--modes: @refresh takes a fraction, as in @refresh0.33, got {mod!r}") from None
         if not 0 < refresh <= 1:
             raise UsageError(f"--modes: @refresh takes a fraction in (0, 1], got {refresh}")
-        return Variant(path, 0, False, refresh)
+        scoring = scoring or "attention"
+        if scoring not in SCORINGS:
+            raise UsageError(f"--modes: @refresh{fraction}:SCORING takes one of {', '.join(SCORINGS)}, got {scoring!r}")
+        return Variant(path, 0, False, refresh, scoring)
     try:
         replay = int(mod)
     except ValueError:
@@ -244,7 +251,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING]]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""
@@ -277,7 +284,8 @@ class ModeRunner:
             replay = self.config.replay if engine_mode == "translate" else 0
         prepared = engine.prepare(question, target=self.config.target, mode=engine_mode,
                                   top_k=top_k or self.config.top_k, replay=replay,
-                                  document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh)
+                                  document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh,
+                                  refresh_scoring="attention" if variant is None else variant.refresh_scoring)
         return engine, prepared
 
 
