@@ -76,7 +76,8 @@ def measure(engine, target: str, mode: str, variant: Variant, document_id: str, 
     """One answer's first-token timings for an engine mode (replay None: the translator's default)."""
     replay = variant.replay if variant.replay is not None else (0 if mode == "translate" else None)
     prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
-                              replay=replay, refresh=variant.refresh)
+                              replay=replay, refresh=variant.refresh,
+                              refresh_scoring=variant.refresh_scoring)
     answer = engine.generate(prepared, max_new_tokens=1)
     split = {k: float(answer.timings_ms.get(k) or 0.0) for k in TTFT_KEYS}
     split["ttft"] = split["first_token"]  # the engine measures first_token from the question on
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--modes", default="native,translate",
                         help="engine modes, comma-separated; translate@R replays the top R target layers, "
-                             "translate@refreshF recomputes the question's share F of the chunk tokens; "
+                             "translate@refreshF[:contrast] recomputes the question's share F of the chunk tokens; "
                              "LABEL=MODE names the row (r2=translate@2); LABEL=DIR[@R|@window|@refreshF] translates "
                              "with the artifact in DIR (several artifacts side by side)")
     parser.add_argument("--translator", default=None,

@@ -89,6 +89,9 @@ def test_ask_modes_and_stream(env, store):
     assert json.loads(other.stdout)["mode"] == "native"  # auto, no translator: falls back
     refresh = run("ask", "Who lit the lamp?", "--store", str(store), "--mode", "native", "--refresh", "0.3")
     assert refresh.exit_code == 2 and "refresh needs mode translate" in refresh.output
+    scoring = run("ask", "Who lit the lamp?", "--store", str(store), "--mode", "translate", "--refresh", "0.3",
+                  "--refresh-scoring", "loud")  # fmt: skip
+    assert scoring.exit_code == 2 and "refresh_scoring" in scoring.output
 
 
 def test_ls_stats_rm_doctor(env, store):

@@ -14,7 +14,7 @@ from engine_helpers import make_model_dir
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import collect_sources, ingest, ingest_sources, ingest_text
 from cagkv.kv import KVBlock
-from cagkv.pipeline import CAG, TIMING_KEYS
+from cagkv.pipeline import CAG, NEUTRAL_QUESTION, TIMING_KEYS
 from cagkv.prefill import prefill_chunks
 from cagkv.prompt import PromptFormat
 
@@ -272,6 +272,39 @@ def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, m
         cag.prepare("q?", target=models["qwen2"], mode="native", refresh=0.5)
     with pytest.raises(UsageError, match="fraction"):
         cag.prepare("q?", target=models["qwen2"], mode="translate", refresh=1.5)
+    with pytest.raises(UsageError, match="refresh_scoring"):
+        cag.prepare("q?", target=models["qwen2"], mode="translate", refresh=0.5, refresh_scoring="loud")
+
+
+def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share(tmp_path, models, monkeypatch):
+    import cagkv.refresh
+
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
+    real_attention, real_refresh, prompts, refreshed = cagkv.refresh.question_attention, cagkv.refresh.refresh_tokens, [], []
+
+    def attention(model, cache, n, prompt_ids):
+        prompts.append(list(prompt_ids))
+        return real_attention(model, cache, n, prompt_ids)
+
+    def refresh(model, cache, token_ids, positions):
+        refreshed.append(list(positions))
+        return real_refresh(model, cache, token_ids, positions)
+
+    monkeypatch.setattr(cagkv.refresh, "question_attention", attention)
+    monkeypatch.setattr(cagkv.refresh, "refresh_tokens", refresh)
+    chosen = []
+    for scoring in ("attention", "contrast"):
+        cag.prepare("Why did ships pass safely?", target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
+                    refresh_scoring=scoring)  # fmt: skip
+        chosen.append(refreshed[-1])  # the call before it computed the chunk separators
+    fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
+    assert len(prompts) == 3  # attention: one question pass; contrast: the question's and the neutral prompt's
+    assert prompts[1] == prompts[0]
+    tail = len(fmt.question_suffix_ids(NEUTRAL_QUESTION))
+    assert prompts[2][-tail:] == fmt.question_suffix_ids(NEUTRAL_QUESTION)
+    assert prompts[2][:-tail] == prompts[1][: len(prompts[1]) - len(fmt.question_suffix_ids("Why did ships pass safely?"))]
+    assert len(chosen[0]) == len(chosen[1]) > 0
 
 
 def test_stream_yields_the_answer(tmp_path, models):

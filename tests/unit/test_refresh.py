@@ -10,7 +10,7 @@ import torch
 from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
-from cagkv.refresh import question_attention, refresh_tokens, top_positions
+from cagkv.refresh import contrast, question_attention, refresh_tokens, top_positions
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -97,3 +97,12 @@ def test_top_positions_picks_the_most_attended_candidates() -> None:
     assert top_positions(mass, [], 0.5) == []
     with pytest.raises(ValueError):
         top_positions(mass, [1], 0)
+
+
+def test_contrast_ranks_what_the_question_reads_beyond_the_baseline() -> None:
+    mass = torch.tensor([50.0, 8.0, 6.0, 1.0, 2.0])
+    baseline = torch.tensor([50.0, 8.0, 1.0, 1.0, 0.0])  # position 0: a sink every prompt reads
+    score = contrast(mass, baseline, [0, 1, 2, 3, 4])
+    assert top_positions(mass, [0, 1, 2, 3, 4], 0.4) == [0, 1]
+    assert top_positions(score, [0, 1, 2, 3, 4], 0.4) == [2, 4]
+    assert torch.allclose(contrast(baseline, baseline, [0, 1, 2]), torch.ones(5))  # nothing question-specific
