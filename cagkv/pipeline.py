@@ -478,15 +478,16 @@ class CAG:
         position, block) that `prompt_ids` attend to most over `cache` (`cagkv.refresh`);
         with `baseline_ids`, most relative to what that prompt attends to (`contrast`).
         Returns the refreshed positions."""
-        from cagkv.refresh import contrast, question_attention, refresh_tokens, top_positions
+        from cagkv.refresh import contrast, prompt_attention, refresh_tokens, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
             token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
         candidates = sorted(token_at)
-        mass = question_attention(target.model, cache, n, prompt_ids)
-        if baseline_ids is not None:
-            mass = contrast(mass, question_attention(target.model, cache, n, baseline_ids), candidates)
+        if baseline_ids is None:
+            mass = prompt_attention(target.model, cache, n, [prompt_ids])[0]
+        else:  # both prompts in one batched pass
+            mass = contrast(*prompt_attention(target.model, cache, n, [prompt_ids, baseline_ids]), candidates)
         chosen = top_positions(mass, candidates, fraction)
         refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
         return chosen

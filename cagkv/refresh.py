@@ -27,7 +27,7 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
-__all__ = ["SCORINGS", "question_attention", "contrast", "top_positions", "refresh_tokens"]
+__all__ = ["SCORINGS", "prompt_attention", "question_attention", "contrast", "top_positions", "refresh_tokens"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43)
@@ -35,29 +35,44 @@ SCORINGS = ("attention", "contrast")
 
 
 @torch.inference_mode()
-def question_attention(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]) -> torch.Tensor:
-    """Attention mass `[n]` that `prompt_ids`, placed after the `n` cached tokens, give each cached position.
+def prompt_attention(model: nn.Module, cache: Any, n: int, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Attention mass `[len(prompts), n]` that each prompt, placed after the `n` cached tokens,
+    gives each cached position: one batched pass of the decoder.
 
-    `cache` is not changed (the pass runs on a copy). Uses eager attention for this one pass
-    (the only implementation that returns the weights) and restores the model's own after.
+    Prompts are right-padded to the longest; a pad comes after every real token, so causal
+    attention keeps it out of their rows, and its own rows are left out. `cache` is not
+    changed (the pass runs on a copy). Uses eager attention for this one pass (the only
+    implementation that returns the weights) and restores the model's own after.
     """
-    ids = list(prompt_ids)
-    if not ids:
+    prompts = [list(p) for p in prompts]
+    if not prompts or not all(prompts):
         raise ValueError("no prompt tokens to measure attention from")
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])
+    work = copy.deepcopy(cache)
+    if len(prompts) > 1:
+        work.batch_repeat_interleave(len(prompts))
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        positions = (n + torch.arange(len(ids))).unsqueeze(0)
+        positions = (n + torch.arange(width)).unsqueeze(0).expand(len(prompts), -1)
         # the decoder only: the LM head (a 262k vocabulary on Gemma-3) would double this pass's time
-        out = decoder_of(model)(input_ids=torch.tensor([ids]), cache=copy.deepcopy(cache), position_ids=positions,
-                                use_cache=True, output_attentions=True)
+        out = decoder_of(model)(input_ids=ids, cache=work, position_ids=positions, use_cache=True,
+                                output_attentions=True)
     finally:
         model.set_attn_implementation(before)
-    mass = torch.zeros(n)
-    for weights in out.attentions:  # [1, H, Q, K]: K = what the layer holds (a sliding layer may hold fewer) + Q
-        held = weights[0, :, :, : weights.shape[-1] - len(ids)].float().sum(dim=(0, 1))
-        mass[n - held.shape[0]:] += held
+    mass = torch.zeros(len(prompts), n)
+    for weights in out.attentions:  # [P, H, Q, K]: K = what the layer holds (a sliding layer may hold fewer) + Q
+        held_count = weights.shape[-1] - width
+        for row, length in enumerate(lengths):
+            mass[row, n - held_count:] += weights[row, :, :length, :held_count].float().sum(dim=(0, 1))
     return mass
+
+
+def question_attention(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]) -> torch.Tensor:
+    """Attention mass `[n]` that `prompt_ids`, placed after the `n` cached tokens, give each cached position."""
+    return prompt_attention(model, cache, n, [prompt_ids])[0]
 
 
 def contrast(mass: torch.Tensor, baseline: torch.Tensor, candidates: Sequence[int]) -> torch.Tensor:

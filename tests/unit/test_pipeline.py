@@ -281,29 +281,29 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
 
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
-    real_attention, real_refresh, prompts, refreshed = cagkv.refresh.question_attention, cagkv.refresh.refresh_tokens, [], []
+    real_attention, real_refresh, passes, refreshed = cagkv.refresh.prompt_attention, cagkv.refresh.refresh_tokens, [], []
 
-    def attention(model, cache, n, prompt_ids):
-        prompts.append(list(prompt_ids))
-        return real_attention(model, cache, n, prompt_ids)
+    def attention(model, cache, n, prompts):
+        passes.append([list(p) for p in prompts])
+        return real_attention(model, cache, n, prompts)
 
     def refresh(model, cache, token_ids, positions):
         refreshed.append(list(positions))
         return real_refresh(model, cache, token_ids, positions)
 
-    monkeypatch.setattr(cagkv.refresh, "question_attention", attention)
+    monkeypatch.setattr(cagkv.refresh, "prompt_attention", attention)
     monkeypatch.setattr(cagkv.refresh, "refresh_tokens", refresh)
     chosen = []
+    question = "Why did ships pass safely?"
     for scoring in ("attention", "contrast"):
-        cag.prepare("Why did ships pass safely?", target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
+        cag.prepare(question, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
                     refresh_scoring=scoring)  # fmt: skip
         chosen.append(refreshed[-1])  # the call before it computed the chunk separators
     fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
-    assert len(prompts) == 3  # attention: one question pass; contrast: the question's and the neutral prompt's
-    assert prompts[1] == prompts[0]
-    tail = len(fmt.question_suffix_ids(NEUTRAL_QUESTION))
-    assert prompts[2][-tail:] == fmt.question_suffix_ids(NEUTRAL_QUESTION)
-    assert prompts[2][:-tail] == prompts[1][: len(prompts[1]) - len(fmt.question_suffix_ids("Why did ships pass safely?"))]
+    # attention: one pass of the question; contrast: one pass of the question and the neutral prompt together
+    assert [len(p) for p in passes] == [1, 2] and passes[1][0] == passes[0][0]
+    pending = passes[0][0][: len(passes[0][0]) - len(fmt.question_suffix_ids(question))]
+    assert passes[1][1] == pending + fmt.question_suffix_ids(NEUTRAL_QUESTION)
     assert len(chosen[0]) == len(chosen[1]) > 0
 
 

@@ -10,7 +10,7 @@ import torch
 from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
-from cagkv.refresh import contrast, question_attention, refresh_tokens, top_positions
+from cagkv.refresh import contrast, prompt_attention, question_attention, refresh_tokens, top_positions
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -88,6 +88,20 @@ def test_question_attention_is_the_mass_the_prompt_puts_on_each_cached_token(fam
         lm.model.set_attn_implementation(before)
     want = sum(a[0, :, 12:, :12].sum(dim=(0, 1)) for a in out.attentions)
     torch.testing.assert_close(mass, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_prompts_of_different_lengths_in_one_pass_get_their_own_mass(family: str) -> None:
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    cache = _native(lm.model, ids)
+    prompts = [[11, 12, 13, 14, 15], [21, 22], [31, 32, 33]]
+    batched = prompt_attention(lm.model, cache, 12, prompts)  # right-padded to 5 tokens
+    assert batched.shape == (3, 12) and cache.layers[0].keys.shape[:3] == (1, cache.layers[0].keys.shape[1], 12)
+    for row, prompt in zip(batched, prompts):
+        torch.testing.assert_close(row, question_attention(lm.model, cache, 12, prompt), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no prompt"):
+        prompt_attention(lm.model, cache, 12, [[1], []])
 
 
 def test_top_positions_picks_the_most_attended_candidates() -> None:
