@@ -46,6 +46,7 @@ import torch
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
 from cagkv.prompt import PromptFormat
+from cagkv.refresh import DEFAULT_SCORING, SCORINGS
 from cagkv.stores.records import ChunksChangedError
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float = 0.0,
-        refresh_scoring: str = "attention",
+        refresh_scoring: str = DEFAULT_SCORING,
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store."""
         prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring)
@@ -215,7 +216,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float = 0.0,
-        refresh_scoring: str = "attention",
+        refresh_scoring: str = DEFAULT_SCORING,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
 
@@ -234,7 +235,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float = 0.0,
-        refresh_scoring: str = "attention",
+        refresh_scoring: str = DEFAULT_SCORING,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -250,8 +251,6 @@ class CAG:
             raise UsageError(f"replay must be >= 0, got {replay}")
         if not 0 <= refresh <= 1:
             raise UsageError(f"refresh is a fraction of the chunk tokens in [0, 1], got {refresh}")
-        from cagkv.refresh import SCORINGS
-
         if refresh_scoring not in SCORINGS:
             raise UsageError(f"unknown refresh_scoring {refresh_scoring!r}: expected one of {', '.join(SCORINGS)}")
         target_model = self.model(target or self.canonical)

@@ -27,11 +27,12 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
-__all__ = ["SCORINGS", "prompt_attention", "question_attention", "contrast", "top_positions", "refresh_tokens"]
+__all__ = ["SCORINGS", "DEFAULT_SCORING", "prompt_attention", "question_attention", "contrast", "top_positions", "refresh_tokens"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43)
 SCORINGS = ("attention", "contrast")
+DEFAULT_SCORING = "attention"
 
 
 @torch.inference_mode()

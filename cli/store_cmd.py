@@ -121,10 +121,11 @@ def ask_cmd(
         help="Share of the chunk tokens the target recomputes through every layer, those the question "
              "attends to most (translate mode; 0: none).",
     ),
-    refresh_scoring: str = typer.Option(
-        "attention", "--refresh-scoring",
+    refresh_scoring: str | None = typer.Option(
+        None, "--refresh-scoring",
         help="How --refresh ranks the chunk tokens: attention (the question's attention) or contrast "
-             "(that attention over a neutral prompt's: skips the tokens every prompt reads).",
+             "(that attention over a neutral prompt's: skips the tokens every prompt reads). "
+             "Default: cagkv.refresh.DEFAULT_SCORING.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
@@ -143,7 +144,9 @@ def ask_cmd(
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype)  # the engine checks the canonical tokenizer before using stored blocks
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay,
-              "refresh": refresh, "refresh_scoring": refresh_scoring}
+              "refresh": refresh}
+    if refresh_scoring is not None:
+        kwargs["refresh_scoring"] = refresh_scoring
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
         for piece in answer_stream:
