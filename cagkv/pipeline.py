@@ -17,7 +17,8 @@ Modes:
                 `replay=r` lets the target recompute its top r layers over the chunks
                 (default: the translator card's measured `default_replay`);
                 `refresh=f` lets it recompute the fraction f of the chunk tokens its
-                question attends to most, through every layer (`cagkv.refresh`).
+                question attends to most (by default beyond what a neutral prompt
+                attends to: `refresh_scoring`), through every layer (`cagkv.refresh`).
     mot-window  the paper's reference inference (baseline): the target recomputes every
                 layer over the chunks, attending over translated K/V in ~30 % of its layers.
     native      the target prefills the retrieved chunk text itself (the baseline).

@@ -119,7 +119,7 @@ def ask_cmd(
     refresh: float = typer.Option(
         0.0, "--refresh", min=0.0, max=1.0,
         help="Share of the chunk tokens the target recomputes through every layer, those the question "
-             "attends to most (translate mode; 0: none).",
+             "attends to most, ranked by --refresh-scoring (translate mode; 0: none).",
     ),
     refresh_scoring: str | None = typer.Option(
         None, "--refresh-scoring",
