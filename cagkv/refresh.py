@@ -3,14 +3,16 @@
 A translated cache is cheap but imperfect; native prefill is exact but costs the whole
 chunk. `refresh` spends a fraction of the prefill on the tokens that matter for *this*
 question: the question is run once over the translated cache, the chunk tokens it attends to
-most (attention mass summed over layers, heads and question tokens) are chosen, and the
-target recomputes those tokens through every layer, each attending to the cache before it
-(translated entries of the rest, fresh entries of the refreshed tokens). Their keys and
-values then replace the translated ones in place. The cost is one pass of the question plus
-`fraction` of the chunk's tokens through the target (docs/EXPERIMENTS.md E39, E40).
+most (attention mass summed over layers, heads and question tokens; by default relative to
+what a neutral prompt attends to, `contrast`) are chosen, and the target recomputes those
+tokens through every layer, each attending to the cache before it (translated entries of
+the rest, fresh entries of the refreshed tokens). Their keys and values then replace the
+translated ones in place. The cost is one (batched) pass of the prompts plus `fraction` of
+the chunk's tokens through the target (docs/EXPERIMENTS.md E39-E43).
 
 Example:
-    >>> mass = question_attention(target.model, cache, n, prompt_ids)          # doctest: +SKIP
+    >>> q, neutral = prompt_attention(target.model, cache, n, [prompt_ids, neutral_ids])  # doctest: +SKIP
+    >>> mass = contrast(q, neutral, candidates)                                 # doctest: +SKIP
     >>> chosen = top_positions(mass, candidates, fraction=1 / 3)               # doctest: +SKIP
     >>> refresh_tokens(target.model, cache, [token_of[p] for p in chosen], chosen)  # doctest: +SKIP
 """
