@@ -302,8 +302,10 @@ class CAG:
         prompt_ids = pending + fmt.question_suffix_ids(question)
         if refresh and blocks:
             with _timer(timings, "replay"):
-                baseline_ids = pending + fmt.question_suffix_ids(NEUTRAL_QUESTION) if refresh_scoring == "contrast" else None
-                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, baseline_ids)
+                baseline_ids = (pending + fmt.question_suffix_ids(NEUTRAL_QUESTION)
+                                if refresh_scoring in ("contrast", "pooled") else None)
+                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, baseline_ids,
+                             pooled=refresh_scoring == "pooled")
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
             target=target_model,
@@ -473,12 +475,13 @@ class CAG:
 
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
-                baseline_ids: Sequence[int] | None = None) -> list[int]:
+                baseline_ids: Sequence[int] | None = None, pooled: bool = False) -> list[int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
         position, block) that `prompt_ids` attend to most over `cache` (`cagkv.refresh`);
-        with `baseline_ids`, most relative to what that prompt attends to (`contrast`).
+        with `baseline_ids`, most relative to what that prompt attends to (`contrast`);
+        `pooled`: the scores averaged over neighbouring tokens first (`cagkv.refresh.pool`).
         Returns the refreshed positions."""
-        from cagkv.refresh import contrast, prompt_attention, refresh_tokens, top_positions
+        from cagkv.refresh import contrast, pool, prompt_attention, refresh_tokens, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
@@ -488,6 +491,8 @@ class CAG:
             mass = prompt_attention(target.model, cache, n, [prompt_ids])[0]
         else:  # both prompts in one batched pass
             mass = contrast(*prompt_attention(target.model, cache, n, [prompt_ids, baseline_ids]), candidates)
+        if pooled:
+            mass = pool(mass, candidates)
         chosen = top_positions(mass, candidates, fraction)
         refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
         return chosen

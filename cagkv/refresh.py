@@ -29,12 +29,15 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
-__all__ = ["SCORINGS", "DEFAULT_SCORING", "prompt_attention", "question_attention", "contrast", "top_positions", "refresh_tokens"]
+__all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "prompt_attention", "question_attention", "contrast",
+           "pool", "top_positions", "refresh_tokens"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
-# mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43)
-SCORINGS = ("attention", "contrast")
+# mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
+# contrast averaged over POOL_WIDTH neighbours, so spans rather than lone tokens are chosen (E44)
+SCORINGS = ("attention", "contrast", "pooled")
 DEFAULT_SCORING = "contrast"  # measured: E43
+POOL_WIDTH = 5  # SnapKV's default pooling kernel
 
 
 @torch.inference_mode()
@@ -88,6 +91,27 @@ def contrast(mass: torch.Tensor, baseline: torch.Tensor, candidates: Sequence[in
     """
     c = baseline[torch.as_tensor(list(candidates), dtype=torch.long)].mean() if candidates else baseline.new_tensor(0.0)
     return (mass + c) / (baseline + c)
+
+
+def pool(score: torch.Tensor, candidates: Sequence[int], width: int = POOL_WIDTH) -> torch.Tensor:
+    """`score` at each candidate averaged over the `width` candidates centred on it (fewer at
+    the ends of a run of consecutive positions; runs do not mix). Other positions keep theirs.
+
+    A token the question reads is rarely the whole of what it needs (the answer sits beside
+    the words that match the question): smoothing lets the neighbours of a peak rank with it.
+    """
+    if width < 1 or width % 2 == 0:
+        raise ValueError(f"pool width must be odd and positive, got {width}")
+    out = score.clone()
+    if not candidates:
+        return out
+    index = torch.as_tensor(sorted(candidates), dtype=torch.long)
+    breaks = (torch.nonzero(index[1:] != index[:-1] + 1).flatten() + 1).tolist()
+    for run in torch.tensor_split(index, breaks):
+        values = score[run].float()[None, None]
+        out[run] = torch.nn.functional.avg_pool1d(values, width, stride=1, padding=width // 2,
+                                                  count_include_pad=False)[0, 0].to(score.dtype)
+    return out
 
 
 def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float) -> list[int]:

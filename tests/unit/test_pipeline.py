@@ -295,16 +295,19 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
     monkeypatch.setattr(cagkv.refresh, "refresh_tokens", refresh)
     chosen = []
     question = "Why did ships pass safely?"
-    for scoring in ("attention", "contrast"):
+    for scoring in ("attention", "contrast", "pooled"):
         cag.prepare(question, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
                     refresh_scoring=scoring)  # fmt: skip
         chosen.append(refreshed[-1])  # the call before it computed the chunk separators
     fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
-    # attention: one pass of the question; contrast: one pass of the question and the neutral prompt together
-    assert [len(p) for p in passes] == [1, 2] and passes[1][0] == passes[0][0]
+    # attention: one pass of the question; contrast and pooled: one pass of the question and the neutral prompt
+    assert [len(p) for p in passes] == [1, 2, 2] and passes[1][0] == passes[0][0] and passes[2] == passes[1]
     pending = passes[0][0][: len(passes[0][0]) - len(fmt.question_suffix_ids(question))]
     assert passes[1][1] == pending + fmt.question_suffix_ids(NEUTRAL_QUESTION)
-    assert len(chosen[0]) == len(chosen[1]) > 0
+    assert len(chosen[0]) == len(chosen[1]) == len(chosen[2]) > 0
+    # pooling makes runs of neighbours: the pooled choice is never more scattered than contrast's
+    runs = [1 + sum(b != a + 1 for a, b in zip(c, c[1:])) for c in chosen]
+    assert runs[2] <= runs[1]
 
 
 def test_stream_yields_the_answer(tmp_path, models):

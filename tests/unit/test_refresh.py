@@ -10,7 +10,7 @@ import torch
 from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
-from cagkv.refresh import contrast, prompt_attention, question_attention, refresh_tokens, top_positions
+from cagkv.refresh import contrast, pool, prompt_attention, question_attention, refresh_tokens, top_positions
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -120,3 +120,18 @@ def test_contrast_ranks_what_the_question_reads_beyond_the_baseline() -> None:
     assert top_positions(mass, [0, 1, 2, 3, 4], 0.4) == [0, 1]
     assert top_positions(score, [0, 1, 2, 3, 4], 0.4) == [2, 4]
     assert torch.allclose(contrast(baseline, baseline, [0, 1, 2]), torch.ones(5))  # nothing question-specific
+
+
+def test_pool_averages_neighbours_within_runs_of_consecutive_positions() -> None:
+    score = torch.tensor([9.0, 0.0, 0.0, 6.0, 0.0, 0.0, 0.0, 3.0, 3.0, 7.0])
+    candidates = [1, 2, 3, 4, 5, 7, 8]  # runs [1..5] and [7, 8]; 0, 6 and 9 are not candidates
+    pooled = pool(score, candidates, width=3)
+    assert torch.allclose(pooled, torch.tensor([9.0, 0.0, 2.0, 2.0, 2.0, 0.0, 0.0, 3.0, 3.0, 7.0]))
+    # a lone peak spreads to its neighbours: top-3 becomes the span around it, not three scattered tokens
+    spiky = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 1.2])
+    everything = list(range(10))
+    assert top_positions(spiky, everything, 0.3) == [1, 5, 9]
+    assert top_positions(pool(spiky, everything, width=3), everything, 0.3) == [4, 5, 6]
+    assert torch.equal(pool(spiky, everything, width=1), spiky)
+    with pytest.raises(ValueError, match="odd"):
+        pool(spiky, everything, width=4)
