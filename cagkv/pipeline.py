@@ -18,7 +18,8 @@ Modes:
                 (default: the translator card's measured `default_replay`);
                 `refresh=f` lets it recompute the fraction f of the chunk tokens its
                 question attends to most (by default beyond what a neutral prompt
-                attends to: `refresh_scoring`), through every layer (`cagkv.refresh`).
+                attends to: `refresh_scoring`), through every layer (`cagkv.refresh`;
+                default: the card's measured `default_refresh`, 0 where it names none).
     mot-window  the paper's reference inference (baseline): the target recomputes every
                 layer over the chunks, attending over translated K/V in ~30 % of its layers.
     native      the target prefills the retrieved chunk text itself (the baseline).
@@ -200,7 +201,7 @@ class CAG:
         max_new_tokens: int = 64,
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
-        refresh: float = 0.0,
+        refresh: float | None = None,
         refresh_scoring: str = DEFAULT_SCORING,
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store."""
@@ -216,7 +217,7 @@ class CAG:
         max_new_tokens: int = 64,
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
-        refresh: float = 0.0,
+        refresh: float | None = None,
         refresh_scoring: str = DEFAULT_SCORING,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
@@ -235,7 +236,7 @@ class CAG:
         top_k: int = 3,
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
-        refresh: float = 0.0,
+        refresh: float | None = None,
         refresh_scoring: str = DEFAULT_SCORING,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
@@ -250,7 +251,7 @@ class CAG:
             raise UsageError(f"top_k must be at least 1, got {top_k}")
         if replay is not None and replay < 0:
             raise UsageError(f"replay must be >= 0, got {replay}")
-        if not 0 <= refresh <= 1:
+        if refresh is not None and not 0 <= refresh <= 1:
             raise UsageError(f"refresh is a fraction of the chunk tokens in [0, 1], got {refresh}")
         if refresh_scoring not in SCORINGS:
             raise UsageError(f"unknown refresh_scoring {refresh_scoring!r}: expected one of {', '.join(SCORINGS)}")
@@ -262,6 +263,10 @@ class CAG:
             raise UsageError(f"refresh needs mode translate (mode {mode} ran)")
         if replay is None:  # the translator's measured default (0 where its card names none)
             replay = int(getattr(translator, "default_replay", 0) or 0) if mode == "translate" else 0
+        if refresh is None:  # likewise the card's measured default_refresh (docs/EXPERIMENTS.md E45)
+            refresh = float(getattr(translator, "default_refresh", 0.0) or 0.0) if mode == "translate" else 0.0
+            if refresh:
+                reason = "; ".join(r for r in (reason, f"refresh {refresh:g} (the translator card's default_refresh)") if r)
         if mode in ("canonical", *TRANSLATED):
             self._check_tokenizer()
         fmt = self.prompt_format(target_model)

@@ -116,10 +116,11 @@ def ask_cmd(
         None, "--replay", min=0,
         help="Top target layers recomputed over the chunks (translate mode; default: the translator card's default_replay).",
     ),
-    refresh: float = typer.Option(
-        0.0, "--refresh", min=0.0, max=1.0,
+    refresh: float | None = typer.Option(
+        None, "--refresh", min=0.0, max=1.0,
         help="Share of the chunk tokens the target recomputes through every layer, those the question "
-             "attends to most, ranked by --refresh-scoring (translate mode; 0: none).",
+             "attends to most, ranked by --refresh-scoring (translate mode; 0: none; default: the "
+             "translator card's default_refresh).",
     ),
     refresh_scoring: str | None = typer.Option(
         None, "--refresh-scoring",

@@ -162,6 +162,16 @@ class Translator:
         return value if value in self.replay_values else 0
 
     @property
+    def default_refresh(self) -> float:
+        """The share of chunk tokens `auto`/`translate` refresh when none is asked: the card's
+        measured choice (`cagkv.refresh`; 0 where the card names none or a value outside [0, 1])."""
+        try:
+            value = float(self.card.get("default_refresh", 0.0) or 0.0)
+        except (TypeError, ValueError):
+            return 0.0
+        return value if 0.0 <= value <= 1.0 else 0.0
+
+    @property
     def replay_values(self) -> list[int]:
         """The `replay` values this translator supports: 0, one per replay head, and L."""
         n = self.model.cfg.tgt_layers

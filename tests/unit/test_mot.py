@@ -161,6 +161,13 @@ def test_artifact_round_trip_and_fingerprint_refusal(tmp_path: Path, monkeypatch
     assert rows and rows[0]["quality"] == 0.7
 
 
+def test_default_refresh_reads_the_card_and_ignores_what_is_not_a_share() -> None:
+    tr = _translator(tiny_model("llama", 4), tiny_model("qwen2", 3))
+    for value, want in ((None, 0.0), (0.2, 0.2), ("0.33", 0.33), (1.5, 0.0), (-0.1, 0.0), ("loud", 0.0), ([1], 0.0)):
+        tr.card = {} if value is None else {"default_refresh": value}
+        assert tr.default_refresh == pytest.approx(want), value
+
+
 def test_malformed_card_refused(tmp_path: Path) -> None:
     (tmp_path / "card.json").write_text("{not json")
     with pytest.raises(TranslatorError, match="not valid JSON"):

@@ -242,6 +242,23 @@ def test_refreshing_every_token_of_a_useless_translation_gives_native_prefill(tm
     assert answer.token_ids == cag.generate(native, max_new_tokens=6).token_ids
 
 
+def test_the_cards_default_refresh_applies_when_none_is_asked(tmp_path, models):
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    translator = NoiseTranslator()
+    translator.default_refresh = 1.0  # every chunk token: the answer becomes native prefill's
+    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    q = "Why did ships pass safely?"
+    want = _next_token_logits(cag, cag.prepare(q, target=models["qwen2"], mode="native", top_k=1))
+    default = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=1)
+    off = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=1, refresh=0)
+    torch.testing.assert_close(_next_token_logits(cag, default), want, atol=1e-4, rtol=1e-4)
+    assert "default_refresh" in default.mode_reason and default.timings_ms["replay"] > 0
+    assert off.timings_ms["replay"] == 0 and off.mode_reason == ""
+    assert not torch.allclose(_next_token_logits(cag, off), want, atol=1e-3)
+    # other modes never refresh, whatever the card says
+    assert cag.prepare(q, target=models["qwen2"], mode="native", top_k=1).timings_ms["replay"] == 0
+
+
 def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, models, monkeypatch):
     import cagkv.refresh
 
