@@ -78,3 +78,8 @@ def test_refresh_on_the_real_translator(cag):
     third = cag.prepare(QUESTION, target=target, mode="translate", refresh=1 / 3)
     assert third.timings_ms["replay"] > 0 and third.context_tokens == native.context_tokens
     assert answer_logprob(third, answer) > answer_logprob(cag.prepare(QUESTION, target=target, mode="none"), answer)
+    # the shipped card's measured default_refresh (0.2, E45) applies when none is asked, and 0 turns it off
+    default = cag.prepare(QUESTION, target=target, mode="translate")
+    off = cag.prepare(QUESTION, target=target, mode="translate", refresh=0)
+    assert "default_refresh" in default.mode_reason and default.timings_ms["replay"] > 0
+    assert off.timings_ms["replay"] == 0 and answer_logprob(default, answer) != answer_logprob(off, answer)
