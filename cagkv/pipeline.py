@@ -58,8 +58,10 @@ if TYPE_CHECKING:
 MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
 TRANSLATED = ("translate", "mot-window")
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
-# the question-agnostic prompt `refresh_scoring="contrast"` measures the question's attention against
-NEUTRAL_QUESTION = "What does the text say?"
+# question-agnostic prompts that refresh scoring measures the question's attention against: "contrast"
+# uses the first, "averaged" all (cagkv.refresh.score_positions; fixed before E49 ran)
+NEUTRAL_QUESTIONS = ("What does the text say?", "What is this text about?", "Summarize the text.",
+                     "What are the main facts in the text?")
 _RETRIEVE_RETRIES = 5  # searches again when a concurrent writer removed a hit before its load
 
 
@@ -307,10 +309,9 @@ class CAG:
         prompt_ids = pending + fmt.question_suffix_ids(question)
         if refresh and blocks:
             with _timer(timings, "replay"):
-                baseline_ids = (pending + fmt.question_suffix_ids(NEUTRAL_QUESTION)
-                                if refresh_scoring in ("contrast", "pooled") else None)
-                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, baseline_ids,
-                             pooled=refresh_scoring == "pooled")
+                neutral_ids = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
+                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
+                             refresh_scoring)
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
             target=target_model,
@@ -480,24 +481,18 @@ class CAG:
 
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
-                baseline_ids: Sequence[int] | None = None, pooled: bool = False) -> list[int]:
+                neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING) -> list[int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
-        position, block) that `prompt_ids` attend to most over `cache` (`cagkv.refresh`);
-        with `baseline_ids`, most relative to what that prompt attends to (`contrast`);
-        `pooled`: the scores averaged over neighbouring tokens first (`cagkv.refresh.pool`).
-        Returns the refreshed positions."""
-        from cagkv.refresh import contrast, pool, prompt_attention, refresh_tokens, top_positions
+        position, block) that `prompt_ids` need most over `cache`, ranked by `scoring` (by
+        default relative to what the question-agnostic `neutral_ids` attend to:
+        `cagkv.refresh.score_positions`). Returns the refreshed positions."""
+        from cagkv.refresh import refresh_tokens, score_positions, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
             token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
         candidates = sorted(token_at)
-        if baseline_ids is None:
-            mass = prompt_attention(target.model, cache, n, [prompt_ids])[0]
-        else:  # both prompts in one batched pass
-            mass = contrast(*prompt_attention(target.model, cache, n, [prompt_ids, baseline_ids]), candidates)
-        if pooled:
-            mass = pool(mass, candidates)
+        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring)
         chosen = top_positions(mass, candidates, fraction)
         refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
         return chosen

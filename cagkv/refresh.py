@@ -30,12 +30,13 @@ from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
 __all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "prompt_attention", "question_attention", "contrast",
-           "pool", "top_positions", "refresh_tokens"]
+           "pool", "score_positions", "top_positions", "refresh_tokens"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
-# contrast averaged over POOL_WIDTH neighbours, so spans rather than lone tokens are chosen (E44)
-SCORINGS = ("attention", "contrast", "pooled")
+# contrast averaged over POOL_WIDTH neighbours, so spans rather than lone tokens are chosen (E44);
+# "averaged", contrast against the mean mass of several neutral prompts rather than one (E49)
+SCORINGS = ("attention", "contrast", "pooled", "averaged")
 DEFAULT_SCORING = "contrast"  # measured: E43
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 
@@ -112,6 +113,24 @@ def pool(score: torch.Tensor, candidates: Sequence[int], width: int = POOL_WIDTH
         out[run] = torch.nn.functional.avg_pool1d(values, width, stride=1, padding=width // 2,
                                                   count_include_pad=False)[0, 0].to(score.dtype)
     return out
+
+
+def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int],
+                    neutral_ids: Sequence[Sequence[int]], candidates: Sequence[int],
+                    scoring: str = DEFAULT_SCORING) -> torch.Tensor:
+    """How much `prompt_ids` need each cached position `[n]`, by `scoring` (one of SCORINGS):
+    all prompts in one batched pass. `neutral_ids` are question-agnostic prompts in the same
+    template; "contrast" and "pooled" use the first, "averaged" all of them."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown scoring {scoring!r}: expected one of {', '.join(SCORINGS)}")
+    if scoring == "attention":
+        return prompt_attention(model, cache, n, [prompt_ids])[0]
+    neutral = list(neutral_ids) if scoring == "averaged" else list(neutral_ids)[:1]
+    if not neutral:
+        raise ValueError(f"scoring {scoring!r} needs a neutral prompt")
+    masses = prompt_attention(model, cache, n, [prompt_ids, *neutral])
+    mass = contrast(masses[0], masses[1:].mean(dim=0), candidates)
+    return pool(mass, candidates) if scoring == "pooled" else mass
 
 
 def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float) -> list[int]:

@@ -126,7 +126,8 @@ def ask_cmd(
         None, "--refresh-scoring",
         help="How --refresh ranks the chunk tokens: attention (the question's attention) or contrast "
              "(that attention over a neutral prompt's: skips the tokens every prompt reads) or pooled "
-             "(contrast averaged over 5 neighbouring tokens: chooses spans). "
+             "(contrast averaged over 5 neighbouring tokens: chooses spans) or averaged (contrast over "
+             "the mean of several neutral prompts). "
              "Default: cagkv.refresh.DEFAULT_SCORING.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),

@@ -14,7 +14,7 @@ from engine_helpers import make_model_dir
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import collect_sources, ingest, ingest_sources, ingest_text
 from cagkv.kv import KVBlock
-from cagkv.pipeline import CAG, NEUTRAL_QUESTION, TIMING_KEYS
+from cagkv.pipeline import CAG, NEUTRAL_QUESTIONS, TIMING_KEYS
 from cagkv.prefill import prefill_chunks
 from cagkv.prompt import PromptFormat
 
@@ -312,16 +312,18 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
     monkeypatch.setattr(cagkv.refresh, "refresh_tokens", refresh)
     chosen = []
     question = "Why did ships pass safely?"
-    for scoring in ("attention", "contrast", "pooled"):
+    for scoring in ("attention", "contrast", "pooled", "averaged"):
         cag.prepare(question, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
                     refresh_scoring=scoring)  # fmt: skip
         chosen.append(refreshed[-1])  # the call before it computed the chunk separators
     fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
-    # attention: one pass of the question; contrast and pooled: one pass of the question and the neutral prompt
-    assert [len(p) for p in passes] == [1, 2, 2] and passes[1][0] == passes[0][0] and passes[2] == passes[1]
+    # attention: one pass of the question; contrast and pooled: one pass of the question and the
+    # first neutral prompt; averaged: one pass of the question and every neutral prompt
+    assert [len(p) for p in passes] == [1, 2, 2, 1 + len(NEUTRAL_QUESTIONS)]
+    assert passes[1][0] == passes[0][0] and passes[2] == passes[1] and passes[3][:2] == passes[1]
     pending = passes[0][0][: len(passes[0][0]) - len(fmt.question_suffix_ids(question))]
-    assert passes[1][1] == pending + fmt.question_suffix_ids(NEUTRAL_QUESTION)
-    assert len(chosen[0]) == len(chosen[1]) == len(chosen[2]) > 0
+    assert passes[3][1:] == [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
+    assert len(chosen[0]) == len(chosen[1]) == len(chosen[2]) == len(chosen[3]) > 0
     # pooling makes runs of neighbours: the pooled choice is never more scattered than contrast's
     runs = [1 + sum(b != a + 1 for a, b in zip(c, c[1:])) for c in chosen]
     assert runs[2] <= runs[1]

@@ -135,3 +135,33 @@ def test_pool_averages_neighbours_within_runs_of_consecutive_positions() -> None
     assert torch.equal(pool(spiky, everything, width=1), spiky)
     with pytest.raises(ValueError, match="odd"):
         pool(spiky, everything, width=4)
+
+
+def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> None:
+    import cagkv.refresh as refresh
+
+    masses = torch.tensor([[4.0, 6.0, 2.0, 8.0], [4.0, 2.0, 2.0, 8.0], [4.0, 6.0, 0.0, 0.0]])
+    seen = []
+
+    def attention(model, cache, n, prompts):
+        seen.append(len(prompts))
+        return masses[: len(prompts)]
+
+    monkeypatch.setattr(refresh, "prompt_attention", attention)
+    candidates = [1, 2, 3]
+    neutral = [[7], [8]]
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "attention"), masses[0])
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "contrast"),
+                       contrast(masses[0], masses[1], candidates))
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "averaged"),
+                       contrast(masses[0], masses[1:].mean(0), candidates))
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "pooled"),
+                       pool(contrast(masses[0], masses[1], candidates), candidates))
+    assert seen == [1, 2, 3, 2]
+    # the average sees what one neutral prompt misses: position 3 is read by the first neutral prompt only
+    assert top_positions(refresh.score_positions(None, None, 4, [5], neutral, candidates, "contrast"), candidates, 0.34) == [1]
+    assert top_positions(refresh.score_positions(None, None, 4, [5], neutral, candidates, "averaged"), candidates, 0.34) == [3]
+    with pytest.raises(ValueError, match="neutral"):
+        refresh.score_positions(None, None, 4, [5], [], candidates, "contrast")
+    with pytest.raises(ValueError, match="unknown"):
+        refresh.score_positions(None, None, 4, [5], neutral, candidates, "loud")
