@@ -446,19 +446,29 @@ class MoTTranslator(nn.Module):
                 load[g] = torch.bincount(i_g.reshape(-1), minlength=n_exp).float() / i_g.numel()
         return h + mixed.reshape(h.shape), aux, load
 
-    def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """Inputs of the linear path: `[B, T, Lt, F]` (normalised source features | embedding)."""
+    def skip_inputs(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear path's inputs: each translated layer's normalised source features
+        `[B, T, Lt, n_map*feat]` and the normalised embedding `[B, T, E]` every layer shares."""
         b, t, _ = x.shape
-        n_tr = self.skip_cols.shape[0]
-        xs = gather_blocks(x, self.skip_cols.reshape(-1), 2 * self.cfg.src_kv_dim).reshape(b, t, n_tr, -1)  # [B, T, Lt, n_map*feat]
-        e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)  # [B, T, E]
-        return torch.cat([xs, e[:, :, None, :].expand(b, t, n_tr, e.shape[-1])], -1)
+        sources = gather_blocks(x, self.skip_cols.reshape(-1), 2 * self.cfg.src_kv_dim).reshape(b, t, self.skip_cols.shape[0], -1)
+        return sources, emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """Inputs of the linear path as one design: `[B, T, Lt, F]` (source features | embedding)."""
+        sources, e = self.skip_inputs(x, emb)
+        return torch.cat([sources, e[:, :, None, :].expand(*sources.shape[:3], e.shape[-1])], -1)
 
     def skip(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """The low-rank linear path `[B, Lt, T, 2kv]`."""
         folded = getattr(self, "_skip_w", None)
         if folded is not None and not self.training:  # one product: cheaper at high rank
-            y = torch.einsum("btlf,lfo->blto", self.skip_design(x, emb), folded)
+            # the design's embedding columns are the same for every layer: one GEMM for all
+            # layers' share of them instead of a [B, T, Lt, F] copy of the design
+            source_w, embedding_w = folded
+            sources, e = self.skip_inputs(x, emb)
+            b, t, n_tr, _ = sources.shape
+            y = torch.einsum("btlf,lfo->blto", sources, source_w)
+            y += (e.reshape(b * t, -1) @ embedding_w).view(b, t, n_tr, -1).transpose(1, 2)
             return y + self.skip_bias[None, :, None, :]
         z = torch.einsum("btlf,lfr->btlr", self.skip_design(x, emb), self.skip_a)
         y = torch.einsum("btlr,lro->blto", z, self.skip_b)
@@ -475,7 +485,11 @@ class MoTTranslator(nn.Module):
         if f * o >= r * (f + o):
             self._skip_w = None
             return False
-        self._skip_w = torch.bmm(self.skip_a, self.skip_b)  # [Lt, F, 2kv]
+        w = torch.bmm(self.skip_a, self.skip_b)  # [Lt, F, 2kv]: the source columns, then the embedding's
+        n_emb = self.cfg.tgt_embed_dim
+        source_w = w[:, : f - n_emb].contiguous()
+        embedding_w = w[:, f - n_emb :].transpose(0, 1).reshape(n_emb, -1).contiguous()  # [E, Lt * 2kv]
+        self._skip_w = (source_w, embedding_w)
         return True
 
     def train(self, mode: bool = True) -> MoTTranslator:
