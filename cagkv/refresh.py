@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "prompt_attention", "que
 SCORINGS = ("attention", "contrast", "pooled", "averaged")
 DEFAULT_SCORING = "contrast"  # measured: E43
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
+_EAGER_SWITCH = threading.Lock()
 
 
 @torch.inference_mode()
@@ -60,15 +62,18 @@ def prompt_attention(model: nn.Module, cache: Any, n: int, prompts: Sequence[Seq
     work = copy.deepcopy(cache)
     if len(prompts) > 1:
         work.batch_repeat_interleave(len(prompts))
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        positions = (n + torch.arange(width)).unsqueeze(0).expand(len(prompts), -1)
-        # the decoder only: the LM head (a 262k vocabulary on Gemma-3) would double this pass's time
-        out = decoder_of(model)(input_ids=ids, cache=work, position_ids=positions, use_cache=True,
-                                output_attentions=True)
-    finally:
-        model.set_attn_implementation(before)
+    positions = (n + torch.arange(width)).unsqueeze(0).expand(len(prompts), -1)
+    # one switch at a time: two threads sharing a model must not restore each other's setting
+    # mid-pass (a forward of another thread meanwhile runs eager: slower, same result)
+    with _EAGER_SWITCH:
+        before = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            # the decoder only: the LM head (a 262k vocabulary on Gemma-3) would double this pass's time
+            out = decoder_of(model)(input_ids=ids, cache=work, position_ids=positions, use_cache=True,
+                                    output_attentions=True)
+        finally:
+            model.set_attn_implementation(before)
     mass = torch.zeros(len(prompts), n)
     for weights in out.attentions:  # [P, H, Q, K]: K = what the layer holds (a sliding layer may hold fewer) + Q
         held_count = weights.shape[-1] - width

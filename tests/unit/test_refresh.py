@@ -165,3 +165,58 @@ def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> 
         refresh.score_positions(None, None, 4, [5], [], candidates, "contrast")
     with pytest.raises(ValueError, match="unknown"):
         refresh.score_positions(None, None, 4, [5], neutral, candidates, "loud")
+
+
+def test_prompt_attention_from_two_threads_on_one_model(monkeypatch) -> None:
+    """The interleaving that breaks an unguarded switch, forced: thread A is mid-pass when B
+    switches to eager (B remembers "eager" as the setting to restore); A finishes and restores
+    sdpa; only then does B run its pass. Unguarded, B's pass gets no attention weights and
+    leaves the model on eager for good; with the lock B waits for A."""
+    import threading
+
+    import cagkv.refresh as refresh
+
+    lm = tiny("llama")
+    lm.model.set_attn_implementation("sdpa")  # what real models load with
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(5))
+    cache = _native(lm.model, ids)
+    before = lm.model.config._attn_implementation
+    want = prompt_attention(lm.model, cache, 12, [[11, 12, 13]])
+    a_in_pass, b_switched, calls = threading.Event(), threading.Event(), []
+    real_decoder_of = refresh.decoder_of
+
+    def slow_decoder_of(model):
+        decoder = real_decoder_of(model)
+
+        def run(**kwargs):
+            calls.append(threading.current_thread().name)
+            if len(calls) == 1:  # A: let B reach its switch (it cannot while A holds the lock)
+                a_in_pass.set()
+                b_switched.wait(timeout=0.5)
+            else:  # B: run only after A has had time to finish and restore its setting
+                b_switched.set()
+                threading.Event().wait(0.5)
+            return decoder(**kwargs)
+
+        return run
+
+    monkeypatch.setattr(refresh, "decoder_of", slow_decoder_of)
+    results, errors = {}, []
+
+    def worker(name: str) -> None:
+        try:
+            if name == "B":
+                a_in_pass.wait(timeout=5)
+            results[name] = prompt_attention(lm.model, cache, 12, [[11, 12, 13]])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,), name=n) for n in ("A", "B")]
+    threads[0].start()
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert not errors and calls == ["A", "B"]
+    for mass in results.values():
+        torch.testing.assert_close(mass, want)
+    assert lm.model.config._attn_implementation == before
