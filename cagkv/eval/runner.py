@@ -518,6 +518,7 @@ def run_eval(config: EvalConfig, progress: bool = True,
     make_engine = engine_factory or default_engine_factory(config)
     make_store = store_factory or default_store_factory(config)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    commit = git_commit()  # the code the rows are computed with: HEAD may move during a long run
 
     todo = [(e, m) for e in examples for m in config.modes if (e.id, m) not in results.qa]
     with tempfile.TemporaryDirectory(prefix="cagkv-eval-") as tmp:
@@ -555,7 +556,7 @@ def run_eval(config: EvalConfig, progress: bool = True,
     report = build_report(
         rows, dataset=Path(config.dataset).stem, canonical=config.canonical, target=config.target,
         modes=config.modes, kl_rows=kl_rows, n_boot=config.n_boot, seed=config.seed,
-        config=_run_config(config, header, started),
+        config=_run_config(config, header, started, commit),
     )
     # keep the partial file while it holds rows this report leaves out (a larger --limit ran)
     complete = len(rows) == len(results.qa) and len(kl_rows) == len(results.kl)
@@ -563,7 +564,7 @@ def run_eval(config: EvalConfig, progress: bool = True,
     return report
 
 
-def _run_config(config: EvalConfig, header: dict[str, Any], started: str) -> dict[str, Any]:
+def _run_config(config: EvalConfig, header: dict[str, Any], started: str, commit: str | None) -> dict[str, Any]:
     return {
         "header": header,
         "limit": config.limit,
@@ -572,7 +573,7 @@ def _run_config(config: EvalConfig, header: dict[str, Any], started: str) -> dic
         "seed": config.seed,
         "retrieval": config.retrieval,
         "command": config.command,
-        "commit": git_commit(),
+        "commit": commit,
         "machine": machine_description(),
         "started": started,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

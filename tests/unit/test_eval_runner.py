@@ -338,3 +338,12 @@ def test_variant_spec_names_artifact_replay_window_or_refresh():
     for bad in ("/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
         with pytest.raises(UsageError, match="--modes"):
             variant_spec(bad)
+
+
+def test_the_report_names_the_commit_the_run_started_at(dataset, models, tmp_path, monkeypatch):
+    import cagkv.eval.runner as runner
+
+    heads = iter(["aaaa111", "bbbb222", "cccc333"])  # HEAD moves while the run goes on
+    monkeypatch.setattr(runner, "git_commit", lambda: next(heads))
+    report = run_eval(config(dataset, models, tmp_path, limit=1, modes=["none"]), progress=False)
+    assert report["config"]["commit"] == "aaaa111"
