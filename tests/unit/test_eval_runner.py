@@ -343,7 +343,15 @@ def test_variant_spec_names_artifact_replay_window_or_refresh():
 def test_the_report_names_the_commit_the_run_started_at(dataset, models, tmp_path, monkeypatch):
     import cagkv.eval.runner as runner
 
-    heads = iter(["aaaa111", "bbbb222", "cccc333"])  # HEAD moves while the run goes on
-    monkeypatch.setattr(runner, "git_commit", lambda: next(heads))
+    head = ["aaaa111"]
+    real_evaluate = runner.evaluate_example
+
+    def evaluate_then_commit(*args, **kwargs):
+        row = real_evaluate(*args, **kwargs)
+        head[0] = "bbbb222"  # someone commits while the run goes on
+        return row
+
+    monkeypatch.setattr(runner, "git_commit", lambda: head[0])
+    monkeypatch.setattr(runner, "evaluate_example", evaluate_then_commit)
     report = run_eval(config(dataset, models, tmp_path, limit=1, modes=["none"]), progress=False)
     assert report["config"]["commit"] == "aaaa111"
