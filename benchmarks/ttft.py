@@ -72,6 +72,28 @@ def parse_mode(spec: str) -> tuple[str, str, Variant, str | None]:
     return label, "mot-window" if variant.window else "translate", variant, path
 
 
+def expand_linear_dtypes(modes: list[str], dtypes: str | None) -> tuple[dict[str, tuple], dict[str, torch.dtype | None]]:
+    """Mode specs by row label, and each row's translator linear-path dtype (None: the
+    machine's). With `dtypes` ("float32,bfloat16") every translating mode becomes one row
+    per dtype, labelled LABEL:DTYPE; other modes keep one row."""
+    names = [d.strip() for d in (dtypes or "").split(",") if d.strip()]
+    for name in names:
+        if name not in ("float32", "bfloat16"):
+            raise SystemExit(f"--linear-dtypes: {name!r} is not float32 or bfloat16")
+    specs: dict[str, tuple] = {}
+    linear: dict[str, torch.dtype | None] = {}
+    for m in modes:
+        spec = parse_mode(m)
+        label = spec[0]
+        if spec[1] in ("translate", "mot-window", "auto") and names:
+            for name in names:
+                specs[f"{label}:{name}"] = (f"{label}:{name}", *spec[1:])
+                linear[f"{label}:{name}"] = getattr(torch, name)
+        else:
+            specs[label], linear[label] = spec, None
+    return specs, linear
+
+
 def measure(engine, target: str, mode: str, variant: Variant, document_id: str, top_k: int) -> dict[str, float]:
     """One answer's first-token timings for an engine mode (replay None: the translator's default)."""
     replay = variant.replay if variant.replay is not None else (0 if mode == "translate" else None)
@@ -102,6 +124,10 @@ def main() -> None:
     parser.add_argument("--text", type=Path, nargs="*", default=[DEFAULT_TEXT])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", help="dtype the target answers in")
+    parser.add_argument("--linear-dtypes", default=None,
+                        help="translators' linear-path dtypes, comma-separated (float32,bfloat16): each "
+                             "translating mode gets one row per dtype, LABEL:DTYPE, side by side "
+                             "(default: the machine's choice, CAGKV_LINEAR_DTYPE)")
     parser.add_argument("--embedder", default=None, help="store embedder (default minilm-l6)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -113,8 +139,8 @@ def main() -> None:
     from cagkv.pipeline import CAG
     from cagkv.stores import CacheStore
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    specs = {m: parse_mode(m) for m in modes}  # checked before any model loads
+    specs, linear = expand_linear_dtypes([m.strip() for m in args.modes.split(",") if m.strip()], args.linear_dtypes)
+    modes = list(specs)  # checked before any model loads
     lengths = [int(x) for x in args.lengths.split(",")]
     canonical = load(args.canonical, dtype=torch.float32)
     text = read_text(args.text)
@@ -126,18 +152,24 @@ def main() -> None:
         doc_ids = [str(ingest_text(store, c, f"ttft:{n}", loaded=canonical,
                                    chunk_tokens=args.chunk_tokens).document_id)
                    for c, n in zip(contexts, lengths)]
-        from cagkv.translate import load_translator
+        from cagkv.translate import find_translator, load_translator
 
-        def engine_for(path: str | None) -> CAG:
+        def engine_for(path: str | None, linear_dtype: torch.dtype | None) -> CAG:
             path = path or args.translator
-            finder = (lambda src, tgt: load_translator(path, src, tgt)) if path else None
+
+            def finder(src: str, tgt: str):
+                tr = load_translator(path, src, tgt) if path else find_translator(src, tgt)
+                if tr is not None and linear_dtype is not None:
+                    tr.model.fold_skip(linear_dtype)
+                return tr
+
             return CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
 
-        engines = {d: engine_for(d) for d in {spec[3] for spec in specs.values()}}
+        engines = {key: engine_for(*key) for key in {(spec[3], linear[m]) for m, spec in specs.items()}}
 
         def run(m: str, doc: str, top_k: int) -> dict[str, float]:
             _, mode, variant, path = specs[m]
-            return measure(engines[path], args.target, mode, variant, doc, top_k)
+            return measure(engines[path, linear[m]], args.target, mode, variant, doc, top_k)
 
         for n, doc in zip(lengths, doc_ids):
             top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document

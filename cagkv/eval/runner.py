@@ -607,12 +607,16 @@ def git_commit() -> str | None:
 
 
 def machine_description() -> str:
-    """The CPU, torch version and thread count a report was measured with."""
+    """The CPU, torch version, thread count and the translators' linear-path dtype a report
+    was measured with."""
     import torch
 
+    from cagkv.translate.translator import linear_path_dtype
+
     cpus = os.cpu_count()
+    linear = str(linear_path_dtype()).removeprefix("torch.")
     return (f"{platform.machine()} {cpus}-core CPU, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s)")
+            f"{torch.get_num_threads()} thread(s), translator linear path {linear}")
 
 
 def command_line() -> str:

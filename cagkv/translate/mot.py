@@ -466,8 +466,9 @@ class MoTTranslator(nn.Module):
             # layers' share of them instead of a [B, T, Lt, F] copy of the design
             source_w, embedding_w = folded
             sources, e = self.skip_inputs(x, emb)
+            sources, e = sources.to(source_w.dtype), e.to(source_w.dtype)
             b, t, n_tr, _ = sources.shape
-            y = torch.einsum("btlf,lfo->blto", sources, source_w)
+            y = torch.einsum("btlf,lfo->blto", sources, source_w).to(x.dtype)
             y += (e.reshape(b * t, -1) @ embedding_w).view(b, t, n_tr, -1).transpose(1, 2)
             return y + self.skip_bias[None, :, None, :]
         z = torch.einsum("btlf,lfr->btlr", self.skip_design(x, emb), self.skip_a)
@@ -475,10 +476,11 @@ class MoTTranslator(nn.Module):
         return y + self.skip_bias[None, :, None, :]
 
     @torch.no_grad()
-    def fold_skip(self) -> bool:
+    def fold_skip(self, dtype: torch.dtype | None = None) -> bool:
         """For inference: keep `skip_a @ skip_b` as one matrix per layer when that costs
-        fewer multiply-adds per token than the two factors (rank above F*O/(F+O)).
-        Cleared by `train()`. Returns whether it folded."""
+        fewer multiply-adds per token than the two factors (rank above F*O/(F+O)), in
+        `dtype` (default: the weights'; the path then multiplies in it and returns the
+        weights' dtype). Cleared by `train()`. Returns whether it folded."""
         if self.cfg.skip_rank <= 0:
             return False
         f, r, o = self.skip_a.shape[1], self.skip_a.shape[2], self.skip_b.shape[2]
@@ -489,6 +491,8 @@ class MoTTranslator(nn.Module):
         n_emb = self.cfg.tgt_embed_dim
         source_w = w[:, : f - n_emb].contiguous()
         embedding_w = w[:, f - n_emb :].transpose(0, 1).reshape(n_emb, -1).contiguous()  # [E, Lt * 2kv]
+        if dtype is not None:
+            source_w, embedding_w = source_w.to(dtype), embedding_w.to(dtype)
         self._skip_w = (source_w, embedding_w)
         return True
 

@@ -340,6 +340,25 @@ def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     assert parse_mode("w=translate@window") == ("w", "mot-window", Variant("translate", None, True), None)
 
 
+def test_ttft_benchmark_rows_per_linear_dtype() -> None:
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from ttft import expand_linear_dtypes
+
+    specs, linear = expand_linear_dtypes(["native", "r0=translate@0"], "float32,bfloat16")
+    assert list(specs) == ["native", "r0:float32", "r0:bfloat16"]
+    assert linear == {"native": None, "r0:float32": torch.float32, "r0:bfloat16": torch.bfloat16}
+    assert specs["r0:bfloat16"][1:] == specs["r0:float32"][1:]  # same mode, only the dtype differs
+    specs, linear = expand_linear_dtypes(["native", "r0=translate@0"], None)
+    assert list(specs) == ["native", "r0"] and set(linear.values()) == {None}
+    with pytest.raises(SystemExit, match="not float32 or bfloat16"):
+        expand_linear_dtypes(["r0=translate@0"], "float16")
+
+
 def test_oracle_layers_hybrid_takes_exactly_the_named_layers_and_parts() -> None:
     import sys
     from pathlib import Path

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from translate_fixtures import chunk_block, CORPUS, tiny_model  # noqa: E402
 
 from cagkv.align import token_offsets  # noqa: E402
-from cagkv.errors import TranslatorError  # noqa: E402
+from cagkv.errors import TranslatorError, UsageError  # noqa: E402
 from cagkv.models.cache import extract_kv, full_cache  # noqa: E402
 from cagkv.models.layers import inject_kv, run_layers  # noqa: E402
 from cagkv.prompt import PromptFormat  # noqa: E402
@@ -21,7 +21,7 @@ from cagkv.translate.mot import MoTTranslator  # noqa: E402
 from cagkv.translate.pairs import prefill_kv  # noqa: E402
 from cagkv.translate.ridge import RidgeFit  # noqa: E402
 from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
-from cagkv.translate.translator import window_layers  # noqa: E402
+from cagkv.translate.translator import LINEAR_DTYPE_ENV, linear_path_dtype, window_layers  # noqa: E402
 
 TEXT = CORPUS[0]
 
@@ -231,3 +231,40 @@ def test_folded_linear_path_equals_the_factored_one() -> None:
     low = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1,
                                                               group_size=2, skip_rank=2)))
     assert not low.fold_skip()  # low rank: the two factors are cheaper
+
+
+def test_folded_linear_path_in_bfloat16_stays_close_and_returns_float32() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2, skip_rank=128))
+    torch.manual_seed(0)
+    mot = MoTTranslator(cfg).eval()
+    with torch.no_grad():
+        for p in mot.parameters():
+            p.normal_(0, 0.1)
+        x, emb = torch.randn(2, 7, mot.src_mean.numel()), torch.randn(2, 7, cfg.tgt_embed_dim)
+        ref = mot.skip(x, emb)
+        assert mot.fold_skip(torch.bfloat16)
+        assert all(w.dtype == torch.bfloat16 for w in mot._skip_w)
+        got = mot.skip(x, emb)
+    assert got.dtype == torch.float32
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0 < rel < 1e-2  # bfloat16's rounding, not another computation
+
+
+def test_linear_path_dtype_follows_the_cpu_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LINEAR_DTYPE_ENV, raising=False)
+    for has_bf16, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=has_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert linear_path_dtype() == want
+    monkeypatch.setenv(LINEAR_DTYPE_ENV, "bfloat16")
+    assert linear_path_dtype() == torch.bfloat16  # forced, although this "CPU" lacks it
+    monkeypatch.setenv(LINEAR_DTYPE_ENV, "float16")
+    with pytest.raises(UsageError, match="float32, bfloat16 or auto"):
+        linear_path_dtype()
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    mot = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1,
+                                                              group_size=2, skip_rank=128)))
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        monkeypatch.setenv(LINEAR_DTYPE_ENV, name)
+        assert Translator(mot, card={}).model._skip_w[0].dtype == dtype
