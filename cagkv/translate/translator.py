@@ -46,6 +46,7 @@ def window_layers(num_layers: int, start: float = WINDOW_START, share: float = W
     first = min(max(1, round(start * num_layers)), num_layers - n)
     return list(range(first, first + n))
 
+
 LINEAR_DTYPE_ENV = "CAGKV_LINEAR_DTYPE"
 
 

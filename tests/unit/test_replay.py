@@ -214,34 +214,40 @@ def test_int8_linear_artifact_round_trip(tmp_path: Path) -> None:
     assert float((a - b).norm() / a.norm()) < 0.02
 
 
-def test_folded_linear_path_equals_the_factored_one() -> None:
+def linear_path_mot(skip_rank: int = 128) -> MoTTranslator:
+    """An eval-mode translator (tiny Llama -> tiny Gemma-3) whose weights are all N(0, 0.1),
+    so that its linear path is far from zero."""
     src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
-    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2, skip_rank=128))
+    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2,
+                                                 skip_rank=skip_rank))
     torch.manual_seed(0)
     mot = MoTTranslator(cfg).eval()
     with torch.no_grad():
         for p in mot.parameters():
             p.normal_(0, 0.1)
-        x, emb = torch.randn(2, 7, mot.src_mean.numel()), torch.randn(2, 7, cfg.tgt_embed_dim)
+    return mot
+
+
+def linear_path_inputs(mot: MoTTranslator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 7, mot.src_mean.numel()), torch.randn(2, 7, mot.cfg.tgt_embed_dim)
+
+
+def test_folded_linear_path_equals_the_factored_one() -> None:
+    mot = linear_path_mot()
+    x, emb = linear_path_inputs(mot)
+    with torch.no_grad():
         ref = mot(x, emb).y
         assert mot.fold_skip()  # rank 128 > F*O/(F+O) for these sizes
         torch.testing.assert_close(mot(x, emb).y, ref, rtol=1e-4, atol=1e-5)
     mot.train()
     assert mot._skip_w is None  # training drops the folded copy
-    low = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1,
-                                                              group_size=2, skip_rank=2)))
-    assert not low.fold_skip()  # low rank: the two factors are cheaper
+    assert not linear_path_mot(skip_rank=2).fold_skip()  # low rank: the two factors are cheaper
 
 
 def test_folded_linear_path_in_bfloat16_stays_close_and_returns_float32() -> None:
-    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
-    cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2, skip_rank=128))
-    torch.manual_seed(0)
-    mot = MoTTranslator(cfg).eval()
+    mot = linear_path_mot()
+    x, emb = linear_path_inputs(mot)
     with torch.no_grad():
-        for p in mot.parameters():
-            p.normal_(0, 0.1)
-        x, emb = torch.randn(2, 7, mot.src_mean.numel()), torch.randn(2, 7, cfg.tgt_embed_dim)
         ref = mot.skip(x, emb)
         assert mot.fold_skip(torch.bfloat16)
         assert all(w.dtype == torch.bfloat16 for w in mot._skip_w)
@@ -262,9 +268,7 @@ def test_linear_path_dtype_follows_the_cpu_and_the_override(monkeypatch: pytest.
     monkeypatch.setenv(LINEAR_DTYPE_ENV, "float16")
     with pytest.raises(UsageError, match="float32, bfloat16 or auto"):
         linear_path_dtype()
-    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
-    mot = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=2, top_k=1,
-                                                              group_size=2, skip_rank=128)))
+    mot = linear_path_mot()
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         monkeypatch.setenv(LINEAR_DTYPE_ENV, name)
         assert Translator(mot, card={}).model._skip_w[0].dtype == dtype
