@@ -72,23 +72,29 @@ def parse_mode(spec: str) -> tuple[str, str, Variant, str | None]:
     return label, "mot-window" if variant.window else "translate", variant, path
 
 
-def expand_linear_dtypes(modes: list[str], dtypes: str | None) -> tuple[dict[str, tuple], dict[str, torch.dtype | None]]:
-    """Mode specs by row label, and each row's translator linear-path dtype (None: the
-    machine's). With `dtypes` ("float32,bfloat16") every translating mode becomes one row
-    per dtype, labelled LABEL:DTYPE; other modes keep one row."""
+LINEAR_PATHS = ("float32", "bfloat16", "float32-unfolded", "bfloat16-unfolded")
+
+
+def expand_linear_dtypes(modes: list[str], dtypes: str | None) -> tuple[dict[str, tuple], dict[str, tuple | None]]:
+    """Mode specs by row label, and each row's translator linear path as (dtype, folded)
+    (None: the machine's dtype, folded). With `dtypes` ("float32,bfloat16-unfolded") every
+    translating mode becomes one row per entry, labelled LABEL:ENTRY; other modes keep one
+    row. `-unfolded` runs the training graph with a folded linear path (E55) instead of the
+    folded inference form (E56)."""
     names = [d.strip() for d in (dtypes or "").split(",") if d.strip()]
     for name in names:
-        if name not in ("float32", "bfloat16"):
-            raise SystemExit(f"--linear-dtypes: {name!r} is not float32 or bfloat16")
+        if name not in LINEAR_PATHS:
+            raise SystemExit(f"--linear-dtypes: {name!r} is not one of {', '.join(LINEAR_PATHS)}")
     specs: dict[str, tuple] = {}
-    linear: dict[str, torch.dtype | None] = {}
+    linear: dict[str, tuple | None] = {}
     for m in modes:
         spec = parse_mode(m)
         label = spec[0]
         if spec[1] in ("translate", "mot-window", "auto") and names:
             for name in names:
+                dtype, _, unfolded = name.partition("-")
                 specs[f"{label}:{name}"] = (f"{label}:{name}", *spec[1:])
-                linear[f"{label}:{name}"] = getattr(torch, name)
+                linear[f"{label}:{name}"] = (getattr(torch, dtype), not unfolded)
         else:
             specs[label], linear[label] = spec, None
     return specs, linear
@@ -125,9 +131,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", help="dtype the target answers in")
     parser.add_argument("--linear-dtypes", default=None,
-                        help="translators' linear-path dtypes, comma-separated (float32,bfloat16): each "
-                             "translating mode gets one row per dtype, LABEL:DTYPE, side by side "
-                             "(default: the machine's choice, CAGKV_LINEAR_DTYPE)")
+                        help="translators' linear paths, comma-separated, of float32, bfloat16, "
+                             "float32-unfolded, bfloat16-unfolded: each translating mode gets one row per "
+                             "entry, LABEL:ENTRY, side by side (default: the machine's dtype, CAGKV_LINEAR_DTYPE, "
+                             "folded)")
     parser.add_argument("--embedder", default=None, help="store embedder (default minilm-l6)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -154,13 +161,13 @@ def main() -> None:
                    for c, n in zip(contexts, lengths)]
         from cagkv.translate import find_translator, load_translator
 
-        def engine_for(path: str | None, linear_dtype: torch.dtype | None) -> CAG:
+        def engine_for(path: str | None, linear_path: tuple | None) -> CAG:
             path = path or args.translator
 
             def finder(src: str, tgt: str):
                 tr = load_translator(path, src, tgt) if path else find_translator(src, tgt)
-                if tr is not None and linear_dtype is not None:
-                    tr.model.fold_skip(linear_dtype)
+                if tr is not None and linear_path is not None:
+                    tr.set_linear_path(*linear_path)
                 return tr
 
             return CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)

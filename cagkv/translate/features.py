@@ -22,12 +22,12 @@ __all__ = ["source_features", "TargetSide", "running_stats"]
 
 def source_features(keys: torch.Tensor, values: torch.Tensor, used: list[int]) -> torch.Tensor:
     """`[Ls, H, S, D]` keys/values -> `[S, n_used * 2 * H * D]` float32 features."""
-    k = keys[used].to(torch.float32)  # [n, H, S, D]
-    v = values[used].to(torch.float32)
-    n, h, s, d = k.shape
-    k = k.permute(2, 0, 1, 3).reshape(s, n, h * d)  # [S, n, H*D]
-    v = v.permute(2, 0, 1, 3).reshape(s, n, h * d)
-    return torch.cat([k, v], dim=-1).reshape(s, n * 2 * h * d)  # [S, n*2*kv]
+    _, h, s, d = keys.shape
+    out = torch.empty(s, len(used), 2, h, d, dtype=torch.float32, device=keys.device)
+    for j, layer in enumerate(used):  # one strided copy per layer and side: no intermediate copies
+        out[:, j, 0].copy_(keys[layer].transpose(0, 1))  # [S, H, D]
+        out[:, j, 1].copy_(values[layer].transpose(0, 1))
+    return out.view(s, -1)  # [S, n*2*kv]
 
 
 def _decoder(model: nn.Module) -> nn.Module:

@@ -381,21 +381,8 @@ class MoTTranslator(nn.Module):
     def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None) -> MoTOutput:
         """src `[B, T, n_used*2*src_kv]` raw aligned source KV, emb `[B, T, E]`; mask `[B, T]` real tokens."""
         cfg = self.cfg
-        b, t, _ = src.shape
         x = self.normalise_source(src)
-        e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
-        hs = []
-        for g in range(len(cfg.groups)):
-            h = self.in_proj[g](gather_blocks(x, getattr(self, f"cols_{g}"), 2 * cfg.src_kv_dim)) + e
-            hs.append(self.mix[g](h))
-        h = torch.stack(hs)  # [G, B, T, d]
-        keep = torch.ones(b, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
-        h, aux, load = self._experts(h, keep, self.router_norm, self.router, (self.W1, self.b1, self.W2, self.b2))
-        for rnd in self.rounds:
-            h = torch.stack([rnd.mix[g](h[g]) for g in range(h.shape[0])])
-            h, aux_r, load_r = self._experts(h, keep, rnd.router_norm, rnd.router, (rnd.W1, rnd.b1, rnd.W2, rnd.b2))
-            aux, load = aux + aux_r, load + load_r
-        aux, load = aux / cfg.blocks, load / cfg.blocks
+        h, aux, load = self.mixture(x, emb, mask)
         ys = []
         for g, layers in enumerate(cfg.groups):
             hn = self.head_norm[g](h[g])  # [B, T, d]
@@ -408,6 +395,30 @@ class MoTTranslator(nn.Module):
         if cfg.skip_rank > 0:
             y = y + self.skip(x, emb)
         return MoTOutput(y=y, aux_loss=aux, expert_load=load.detach(), hidden=h)
+
+    def mixture(self, x: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None,
+                in_proj: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every group's state after sequence mixing and experts, `[G, B, T, d]`, with the
+        balance loss and the expert load. `x` is the normalised source features, or, with
+        `in_proj` (per group a weight and bias that take the normalisation in, see
+        `cagkv.translate.folded`), the raw ones."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
+        hs = []
+        for g in range(len(cfg.groups)):
+            feats = gather_blocks(x, getattr(self, f"cols_{g}"), 2 * cfg.src_kv_dim)
+            proj = self.in_proj[g](feats) if in_proj is None else F.linear(feats, *in_proj[g])
+            hs.append(self.mix[g](proj + e))
+        h = torch.stack(hs)  # [G, B, T, d]
+        keep = torch.ones(b, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
+        h, aux, load = self._experts(h, keep, self.router_norm, self.router, (self.W1, self.b1, self.W2, self.b2))
+        for rnd in self.rounds:
+            h = torch.stack([rnd.mix[g](h[g]) for g in range(h.shape[0])])
+            h, aux_r, load_r = self._experts(h, keep, rnd.router_norm, rnd.router, (rnd.W1, rnd.b1, rnd.W2, rnd.b2))
+            aux, load = aux + aux_r, load + load_r
+        return h, aux / cfg.blocks, load / cfg.blocks
 
     def _streams(self, x: torch.Tensor, emb: torch.Tensor, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The layer streams' outputs, zero on the other layers, `[B, Lt, T, 2kv]` like `y`."""

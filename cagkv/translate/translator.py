@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -35,6 +36,7 @@ from cagkv.align import align_tokens, token_offsets
 from cagkv.errors import TranslatorError, UsageError
 from cagkv.kv import KVBlock
 from cagkv.translate.features import TargetSide, source_features
+from cagkv.translate.folded import FoldedMoT
 from cagkv.translate.mot import MoTOutput, MoTTranslator
 
 WINDOW_START, WINDOW_SHARE = 0.35, 0.30  # mot-window: layers at relative depth [0.35, 0.65)
@@ -89,22 +91,20 @@ def prepare_inputs(
 ) -> TranslateInputs:
     """Align each source block `(keys, values, offsets)` onto its target tokens `(ids, offsets)`."""
     used = mot.cfg.used_src
-    pooled, ids_list, offs, lengths = [], [], [], []
-    for (k, v, s_off), (t_ids, t_off) in zip(src_blocks, tgt_tokens):
-        feats = source_features(k, v, used)  # [S, F]
+    lengths = [int(t_ids.shape[0]) for t_ids, _ in tgt_tokens]
+    t_max = max(lengths, default=0)
+    width = len(used) * 2 * mot.cfg.src_kv_dim
+    src = torch.empty(len(lengths), t_max, width)  # padding zeroed below, not the whole batch
+    ids = torch.zeros(len(lengths), t_max, dtype=torch.int64)
+    for i, ((k, v, s_off), (t_ids, t_off)) in enumerate(zip(src_blocks, tgt_tokens)):
+        n = lengths[i]
         w = align_tokens(s_off, t_off)  # [T, S], 1-3 non-zeros per row: a sparse product
-        pooled.append(torch.sparse.mm(w.to_sparse(), feats))  # [T, F]
-        ids_list.append(t_ids)
-        offs.append(t_off)
-        lengths.append(int(t_ids.shape[0]))
-    t_max = max(lengths) if lengths else 0
-    f = pooled[0].shape[1] if pooled else 0
-    src = torch.zeros(len(pooled), t_max, f)
-    ids = torch.zeros(len(pooled), t_max, dtype=torch.int64)
-    for i, (p, t_ids) in enumerate(zip(pooled, ids_list)):
-        src[i, : p.shape[0]] = p
-        ids[i, : t_ids.shape[0]] = t_ids
-    return TranslateInputs(src, ids, offs, lengths)
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"; mm on it is long stable
+            warnings.simplefilter("ignore", UserWarning)
+            torch.mm(w.to_sparse_csr(), source_features(k, v, used), out=src[i, :n])
+        src[i, n:] = 0
+        ids[i, :n] = t_ids
+    return TranslateInputs(src, ids, [t_off for _, t_off in tgt_tokens], lengths)
 
 
 def assemble_kv(
@@ -137,11 +137,18 @@ class Translator:
 
     def __init__(self, model: MoTTranslator, card: dict[str, Any], path: str | None = None) -> None:
         self.model = model.eval()
-        self.model.fold_skip(linear_path_dtype())
+        self.set_linear_path(linear_path_dtype())
         self.card = card
         self.last_replay_ms = 0.0  # time of the last call's replay / window recomputation
         self._prefixes: dict[tuple[str, str], tuple[Any, int]] = {}  # target's own prefix cache
         self.path = path  # artifact folder, when loaded from one
+
+    def set_linear_path(self, dtype: torch.dtype, folded: bool = True) -> None:
+        """The dtype the translator's linear parts multiply in, and whether plain translation
+        (replay 0, no window) uses the folded inference form (`cagkv.translate.folded`, the
+        default) or the training graph with a folded linear path (E55's form)."""
+        self.linear_dtype, self.folded = dtype, folded
+        self.model.fold_skip(dtype)
 
     @property
     def source_fingerprint(self) -> str:
@@ -225,39 +232,42 @@ class Translator:
         ts = TargetSide(target.model)
         dtype = next(target.model.parameters()).dtype
         emb = ts.embed(inputs.ids).float()
-        out = self.model(inputs.src, emb, inputs.mask)
-        keys, values = assemble_kv(self.model, ts, out, emb.to(dtype))
+        if self.folded and FoldedMoT.supports(self.model):
+            kv, hidden = self._folded(target, ts).kv(inputs, emb, out_dtype=dtype)
+        else:
+            out = self.model(inputs.src, emb, inputs.mask)
+            keys, values = assemble_kv(self.model, ts, out, emb.to(dtype))
+            kv = [(keys[i, :, :, :n].to(dtype).contiguous(), values[i, :, :, :n].to(dtype).contiguous())
+                  for i, n in enumerate(inputs.lengths)]
+            hidden = out.hidden
         if replay or window:
             t0 = time.perf_counter()
-            keys, values = keys.to(dtype), values.to(dtype)
-            for i in range(len(blocks)):
+            for i, (keys, values) in enumerate(kv):
                 n = inputs.lengths[i]
                 if window:
-                    hidden = emb[i : i + 1, :n].to(dtype)
+                    h = emb[i : i + 1, :n].to(dtype)
                     start, inject = 0, window_layers(self.model.cfg.tgt_layers)
                 else:
                     start, inject = self.model.cfg.tgt_layers - replay, []
-                    hidden = (emb[i : i + 1, :n] if start == 0 else
-                              self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start,
-                                                               out.hidden[:, i : i + 1, :n])).to(dtype)
-                k_new, v_new = self._recompute(target, hidden, start, keys[i, :, :, :n], values[i, :, :, :n], inject)
-                keys[i, start:, :, :n], values[i, start:, :, :n] = k_new, v_new
+                    h = (emb[i : i + 1, :n] if start == 0 else
+                         self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start,
+                                                    hidden[:, i : i + 1, :n])).to(dtype)
+                keys[start:], values[start:] = self._recompute(target, h, start, keys, values, inject)
             self.last_replay_ms = (time.perf_counter() - t0) * 1000
-        result = []
-        for i, block in enumerate(blocks):
-            n = inputs.lengths[i]
-            result.append(
-                KVBlock(
-                    keys=keys[i, :, :, :n].to(dtype).contiguous(),
-                    values=values[i, :, :, :n].to(dtype).contiguous(),
-                    token_ids=tgt_tokens[i][0],
-                    offsets=tgt_tokens[i][1],
-                    text=block.text,
-                    model_fingerprint=target.fingerprint,
-                    extra={"translated_from": block.model_fingerprint},
-                )
-            )
-        return result
+        return [self._block(block, k, v, tgt_tokens[i], target) for i, (block, (k, v)) in enumerate(zip(blocks, kv))]
+
+    @staticmethod
+    def _block(block: KVBlock, keys: torch.Tensor, values: torch.Tensor, tokens: tuple[torch.Tensor, torch.Tensor],
+               target: LoadedModel) -> KVBlock:
+        return KVBlock(keys=keys, values=values, token_ids=tokens[0], offsets=tokens[1], text=block.text,
+                       model_fingerprint=target.fingerprint, extra={"translated_from": block.model_fingerprint})
+
+    def _folded(self, target: LoadedModel, ts: TargetSide) -> FoldedMoT:
+        """The inference form of the translator for `target` (built at the first translation)."""
+        key = (target.fingerprint, self.linear_dtype)
+        if getattr(self, "_folded_for", None) != key:
+            self._folded_mot, self._folded_for = FoldedMoT(self.model, ts, self.linear_dtype), key
+        return self._folded_mot
 
     def _prefix(self, target: LoadedModel) -> tuple[Any, int]:
         """The target's own context-prefix cache (computed once per target), and its length."""

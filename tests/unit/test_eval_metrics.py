@@ -349,13 +349,14 @@ def test_ttft_benchmark_rows_per_linear_dtype() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from ttft import expand_linear_dtypes
 
-    specs, linear = expand_linear_dtypes(["native", "r0=translate@0"], "float32,bfloat16")
-    assert list(specs) == ["native", "r0:float32", "r0:bfloat16"]
-    assert linear == {"native": None, "r0:float32": torch.float32, "r0:bfloat16": torch.bfloat16}
+    specs, linear = expand_linear_dtypes(["native", "r0=translate@0"], "float32,bfloat16,bfloat16-unfolded")
+    assert list(specs) == ["native", "r0:float32", "r0:bfloat16", "r0:bfloat16-unfolded"]
+    assert linear == {"native": None, "r0:float32": (torch.float32, True), "r0:bfloat16": (torch.bfloat16, True),
+                      "r0:bfloat16-unfolded": (torch.bfloat16, False)}
     assert specs["r0:bfloat16"][1:] == specs["r0:float32"][1:]  # same mode, only the dtype differs
     specs, linear = expand_linear_dtypes(["native", "r0=translate@0"], None)
     assert list(specs) == ["native", "r0"] and set(linear.values()) == {None}
-    with pytest.raises(SystemExit, match="not float32 or bfloat16"):
+    with pytest.raises(SystemExit, match="is not one of"):
         expand_linear_dtypes(["r0=translate@0"], "float16")
 
 

@@ -1,0 +1,97 @@
+"""The folded inference form of a translator computes what the training graph computes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from translate_fixtures import chunk_block, CORPUS, tiny_model  # noqa: E402
+
+from cagkv.align import token_offsets  # noqa: E402
+from cagkv.translate import Translator  # noqa: E402
+from cagkv.translate.features import TargetSide  # noqa: E402
+from cagkv.translate.folded import FoldedMoT  # noqa: E402
+from cagkv.translate.mot import MoTTranslator  # noqa: E402
+from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
+from cagkv.translate.translator import assemble_kv, prepare_inputs  # noqa: E402
+
+
+def random_translator(src, tgt, **kw) -> MoTTranslator:
+    """Every weight and statistic random, so no term of the fold can hide behind a zero or a one."""
+    opts = dict(d_model=16, d_expert=24, experts=2, top_k=1, group_size=2, skip_rank=8)
+    opts.update(kw)
+    torch.manual_seed(0)
+    mot = MoTTranslator(make_mot_config(src, tgt, TrainConfig(**opts))).eval()
+    with torch.no_grad():
+        for p in mot.parameters():
+            p.normal_(0, 0.1)
+        mot.src_mean.normal_(0, 2.0)
+        mot.src_std.uniform_(0.5, 3.0)
+        mot.tgt_mean.normal_(0, 1.0)
+        mot.tgt_std.uniform_(0.5, 2.0)
+    return mot
+
+
+def reference_and_folded(src, tgt, mot: MoTTranslator, dtype: torch.dtype):
+    ts = TargetSide(tgt.model)
+    texts = [CORPUS[0], CORPUS[1][:60]]  # two lengths: the second block is padded
+    blocks = [chunk_block(src, t) for t in texts]
+    tokens = [token_offsets(tgt.tokenizer, t) for t in texts]
+    inputs = prepare_inputs(mot, [(b.keys, b.values, b.offsets) for b in blocks], tokens)
+    emb = ts.embed(inputs.ids).float()
+    with torch.no_grad():
+        keys, values = assemble_kv(mot, ts, mot(inputs.src, emb, inputs.mask), emb)
+    ref = [(keys[i, :, :, :n], values[i, :, :, :n]) for i, n in enumerate(inputs.lengths)]
+    return ref, FoldedMoT(mot, ts, dtype).kv(inputs, emb)[0]
+
+
+@pytest.mark.parametrize("target_family,extra", [
+    ("gemma3", {}),  # k-norm target: the norm's per-channel scale is folded in
+    ("llama", {}),
+    ("gemma3", {"skip_rank": 0}),  # no linear path: heads only
+    ("qwen2", {"key_scale": True, "blocks": 2}),
+])
+def test_folded_float32_equals_the_training_graph(target_family: str, extra: dict) -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model(target_family, 3 if target_family == "qwen2" else 4)
+    mot = random_translator(src, tgt, **extra)
+    ref, folded = reference_and_folded(src, tgt, mot, torch.float32)
+    for (k_ref, v_ref), (k, v) in zip(ref, folded):
+        assert k.shape == k_ref.shape and k.dtype == torch.float32
+        torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_folded_bfloat16_stays_within_a_percent() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    mot = random_translator(src, tgt)
+    ref, folded = reference_and_folded(src, tgt, mot, torch.bfloat16)
+    for (k_ref, v_ref), (k, v) in zip(ref, folded):
+        assert k.dtype == torch.float32  # bfloat16 inside, the caller's dtype out
+        for got, want in ((k, k_ref), (v, v_ref)):
+            assert float((got - want).norm() / want.norm()) < 0.01
+
+
+def test_translator_uses_the_folded_form_and_can_be_told_not_to() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    tr = Translator(random_translator(src, tgt), card)
+    block = chunk_block(src, CORPUS[0])
+    tr.set_linear_path(torch.float32, folded=True)
+    folded = tr.translate(block, tgt)
+    assert tr._folded_for == (tgt.fingerprint, torch.float32)
+    tr.set_linear_path(torch.float32, folded=False)
+    plain = tr.translate(block, tgt)
+    torch.testing.assert_close(folded.keys, plain.keys, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(folded.values, plain.values, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_streams_are_not_folded() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    mot = random_translator(src, tgt, layer_streams=[2])
+    assert not FoldedMoT.supports(mot)
+    with pytest.raises(ValueError, match="layer_streams"):
+        FoldedMoT(mot, TargetSide(tgt.model))
