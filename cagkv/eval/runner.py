@@ -608,7 +608,7 @@ def git_commit() -> str | None:
 
 def machine_description() -> str:
     """The CPU, torch version, thread count and the translators' linear-path dtype a report
-    was measured with."""
+    was measured with (in the folded inference form, `cagkv.translate.folded`, since E56)."""
     import torch
 
     from cagkv.translate.translator import linear_path_dtype
@@ -616,7 +616,7 @@ def machine_description() -> str:
     cpus = os.cpu_count()
     linear = str(linear_path_dtype()).removeprefix("torch.")
     return (f"{platform.machine()} {cpus}-core CPU, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s), translator linear path {linear}")
+            f"{torch.get_num_threads()} thread(s), translator linear path {linear}, folded")
 
 
 def command_line() -> str:
