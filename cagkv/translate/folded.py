@@ -55,17 +55,19 @@ class FoldedMoT:
                 cols = getattr(mot, f"cols_{g}")
                 lin = mot.in_proj[g]
                 self.in_proj.append((lin.weight * inv_std[cols], lin.bias - lin.weight @ shift[cols]))
-            self.weight, self.bias, self.source_layers = self._fold_layers(inv_std, shift)
+            self.weight, self.emb_weight, self.bias, self.source_layers = self._fold_layers(inv_std, shift)
 
     @staticmethod
     def supports(mot: MoTTranslator) -> bool:
         return not mot.cfg.layer_streams
 
     def _fold_layers(self, inv_std: torch.Tensor, shift: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Per translated layer the design's matrix `[Lt, F, 2kv]` and bias `[Lt, 2kv]` (target
-        units, keys divided by the k-norm scale), and the source-layer positions its design
-        reads `[Lt, n_map]` (None without a linear path)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Per translated layer the design's matrix `[Lt, F, 2kv]`; the embedding's share of
+        every layer as one matrix `[E, Lt * 2kv]` (it depends on the token alone, so it is
+        computed once per distinct token; None without a linear path); the bias `[Lt, 2kv]`
+        (all in target units, keys divided by the k-norm scale); and the source-layer
+        positions the design reads `[Lt, n_map]` (None without a linear path)."""
         mot, cfg = self.mot, self.mot.cfg
         parts, bias = [], mot.head_b.clone()
         source_layers = None
@@ -75,11 +77,12 @@ class FoldedMoT:
             w = torch.bmm(mot.skip_a, mot.skip_b)  # [Lt, F_src + E, 2kv] on normalised inputs
             w_src, w_emb = w[:, :-n_emb], w[:, -n_emb:]
             cols = mot.skip_cols  # [Lt, F_src]
-            parts += [w_src * inv_std[cols][:, :, None], w_emb]
+            parts.append(w_src * inv_std[cols][:, :, None])
             bias = bias + mot.skip_bias - torch.einsum("lf,lfo->lo", shift[cols], w_src)
             source_layers = cols[:, ::feat] // feat
         parts.append(mot.head_w)  # [Lt, d, 2kv] on the head-normed group state
         weight = torch.cat(parts, 1)
+        emb_weight = w_emb if cfg.skip_rank > 0 else None
         idx = torch.tensor(cfg.translated)
         std, mean = mot.tgt_std[idx], mot.tgt_mean[idx]  # [Lt, 2kv]: decode
         post = std.clone()
@@ -93,11 +96,14 @@ class FoldedMoT:
                 post[i, :kv] /= tiled
                 mean[i, :kv] /= tiled
         weight = (weight * post[:, None, :]).to(self.dtype).contiguous()
-        return weight, bias * post + mean, source_layers
+        if emb_weight is not None:  # [Lt, E, 2kv] -> [E, Lt * 2kv]
+            emb_weight = (emb_weight * post[:, None, :]).transpose(0, 1).reshape(cfg.tgt_embed_dim, -1)
+            emb_weight = emb_weight.to(self.dtype).contiguous()
+        return weight, emb_weight, bias * post + mean, source_layers
 
-    def design(self, src: torch.Tensor, emb: torch.Tensor, head_states: torch.Tensor) -> torch.Tensor:
-        """`[Lt, B*T, F]` design from raw source features `[B, T, F_all]`, embeddings `[B, T, E]`
-        and head-normed group states `[G, B, T, d]`, in the folded dtype."""
+    def design(self, src: torch.Tensor, head_states: torch.Tensor) -> torch.Tensor:
+        """`[Lt, B*T, F]` design from raw source features `[B, T, F_all]` and head-normed group
+        states `[G, B, T, d]`, in the folded dtype."""
         cfg = self.mot.cfg
         b, t, _ = src.shape
         n_tr, f = self.weight.shape[:2]
@@ -110,9 +116,6 @@ class FoldedMoT:
                 for j, s in enumerate(row):
                     out[i, :, at + j * feat : at + (j + 1) * feat].copy_(per_layer[:, s])
             at += self.source_layers.shape[1] * feat
-            e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
-            out[:, :, at : at + e.shape[-1]].copy_(e.reshape(1, b * t, -1).expand(n_tr, -1, -1))
-            at += e.shape[-1]
         group_of = {layer: g for g, layers in enumerate(cfg.groups) for layer in layers}
         for i, layer in enumerate(cfg.translated):
             out[i, :, at:].copy_(head_states[group_of[layer]].reshape(b * t, -1))
@@ -127,28 +130,37 @@ class FoldedMoT:
         mot, cfg, ts = self.mot, self.mot.cfg, self.ts
         h, _, _ = mot.mixture(inputs.src, emb, inputs.mask, in_proj=self.in_proj)
         head_states = torch.stack([mot.head_norm[g](h[g]) for g in range(h.shape[0])])
-        # the bias is added in float32 on the way out: with a bfloat16 product, adding the
-        # target's means (large on some key channels) before rounding would cost precision
-        y = torch.bmm(self.design(inputs.src, emb, head_states), self.weight)
         b, t = inputs.ids.shape
         heads, d, kv = cfg.tgt_kv_heads, cfg.tgt_head_dim, cfg.tgt_kv_dim
-        y = y.view(-1, b, t, 2 * kv)  # [Lt, B, T, 2kv]
-        k0, v0 = ts.exact_kv(emb.to(next(ts.model.parameters()).dtype), 0)  # [B, H, T, D]
+        # bias + the embedding's share, computed once per distinct token, enter the product as
+        # its addend: the sum is rounded once, like the product alone
+        tokens, where = torch.unique(inputs.ids.reshape(-1), return_inverse=True)
+        table = self.bias[:, None, :].expand(-1, tokens.numel(), -1)  # [Lt, U, 2kv]
+        if self.emb_weight is not None:
+            e = ts.embed(tokens).float()
+            e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(self.dtype)
+            table = table + (e @ self.emb_weight).view(tokens.numel(), -1, 2 * kv).transpose(0, 1)
+        addend = table.to(self.dtype).contiguous().index_select(1, where.reshape(-1))  # [Lt, BT, 2kv]
+        y = torch.baddbmm(addend, self.design(inputs.src, head_states), self.weight).view(-1, b, t, 2 * kv)
         scales = mot.key_scales()
+        for j, layer in enumerate(cfg.translated):  # the k-norm and key scales per layer, whole batch
+            keys_j = y[j, :, :, :kv].view(b, t, heads, d)
+            if cfg.tgt_k_norm:
+                norm = ts.layers[layer].self_attn.k_norm
+                keys_j.copy_(norm(keys_j))
+            if scales is not None:
+                keys_j *= scales[layer].to(keys_j.dtype)
+        k0, v0 = ts.exact_kv(emb.to(next(ts.model.parameters()).dtype), 0)  # [B, H, T, D]
         result = []
         for i, n in enumerate(inputs.lengths):
             keys = torch.empty(cfg.tgt_layers, heads, n, d, dtype=out_dtype)
             values = torch.empty_like(keys)
             for layer in cfg.exact_layers:
                 keys[layer], values[layer] = k0[i, :, :n], v0[i, :, :n]
-            for j, layer in enumerate(cfg.translated):
-                bias = self.bias[j].view(2 * heads, 1, d)
-                torch.add(y[j, i, :n, :kv].view(n, heads, d).transpose(0, 1), bias[:heads], out=keys[layer])
-                torch.add(y[j, i, :n, kv:].view(n, heads, d).transpose(0, 1), bias[heads:], out=values[layer])
-                if cfg.tgt_k_norm:
-                    norm = ts.layers[layer].self_attn.k_norm
-                    keys[layer] = norm(keys[layer].to(next(norm.parameters()).dtype)).to(out_dtype)
-                if scales is not None:
-                    keys[layer] *= scales[layer].to(out_dtype)
+            k_tr = y[:, i, :n, :kv].view(-1, n, heads, d).transpose(1, 2)  # [Lt, H, n, D]
+            v_tr = y[:, i, :n, kv:].view(-1, n, heads, d).transpose(1, 2)
+            for j, layer in enumerate(cfg.translated):  # one pass each: copy and cast
+                keys[layer].copy_(k_tr[j])
+                values[layer].copy_(v_tr[j])
             result.append((keys, values))
         return result, h
