@@ -13,6 +13,10 @@
 Replay and window run each chunk after the target's own context prefix at positions
 P..P+T-1 (as at ingest and in training) and return position-free keys, like translation.
 
+Every call computes the translated K/V with the folded inference form of the network
+(`cagkv.translate.folded`, E56); `set_linear_path(dtype, folded=False)` runs the training
+graph instead (what `assemble_kv` gives; for side-by-side benchmarks).
+
 The returned `KVBlock` holds the target's tokens of the same chunk text, position-free
 keys (the engine rotates them with the target's RoPE at their assembled positions) and
 values, in the target model's dtype.
