@@ -89,6 +89,20 @@ def test_translator_uses_the_folded_form_and_can_be_told_not_to() -> None:
     torch.testing.assert_close(folded.values, plain.values, rtol=1e-4, atol=1e-4)
 
 
+def test_replay_and_window_read_the_folded_form_alike() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    tr = Translator(random_translator(src, tgt, boundaries=[2], boundary_rank=4), card)
+    block = chunk_block(src, CORPUS[0])
+    for kwargs in ({"replay": 2}, {"window": True}):
+        got = {}
+        for folded in (True, False):
+            tr.set_linear_path(torch.float32, folded=folded)
+            got[folded] = tr.translate(block, tgt, **kwargs)
+        torch.testing.assert_close(got[True].keys, got[False].keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[True].values, got[False].values, rtol=1e-4, atol=1e-4)
+
+
 def test_layer_streams_are_not_folded() -> None:
     src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
     mot = random_translator(src, tgt, layer_streams=[2])
