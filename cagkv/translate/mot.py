@@ -436,6 +436,11 @@ class MoTTranslator(nn.Module):
         slot) assignment in one dispatch. Returns (h + mixture, balance loss, load `[G, E]`)."""
         cfg = self.cfg
         n_groups, n_exp, k = h.shape[0], cfg.experts, cfg.top_k
+        if n_exp == 1:  # one expert per group: no routing (its gate is 1), one batched product
+            w1, b1, w2, b2 = weights
+            x = h.reshape(n_groups, -1, h.shape[-1])  # [G, B*T, d]
+            mixed = torch.baddbmm(b2[:, None, :], F.silu(torch.baddbmm(b1[:, None, :], x, w1)), w2)
+            return h + mixed.view_as(h), h.new_ones(()), h.new_ones(n_groups, 1)  # balance loss 1: balanced
         logits = torch.stack([router[g](router_norm[g](h[g])) for g in range(n_groups)])  # [G, B, T, E]
         probs = torch.softmax(logits.float(), dim=-1)
         top_p, top_i = probs.topk(k, dim=-1)  # [G, B, T, k]

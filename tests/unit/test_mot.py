@@ -16,6 +16,7 @@ from cagkv.errors import TranslatorError  # noqa: E402
 from cagkv.translate import Translator, find_translator, list_translators, load_translator, save_artifact  # noqa: E402
 from cagkv.translate.features import TargetSide  # noqa: E402
 from cagkv.translate.layermap import layer_groups, layer_map  # noqa: E402
+from cagkv.translate.dispatch import dispatch_experts  # noqa: E402
 from cagkv.translate.mot import MoTConfig, MoTTranslator, grown_state  # noqa: E402
 from cagkv.translate.train import TrainConfig, make_mot_config  # noqa: E402
 from cagkv.align import token_offsets  # noqa: E402
@@ -94,10 +95,20 @@ def test_router_topk_and_balance_loss() -> None:
 def test_single_expert_ablation_and_dispatch_equivalence() -> None:
     cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), d_model=8, d_expert=8, experts=1, top_k=1)
     mot = MoTTranslator(cfg)
+    with torch.no_grad():
+        mot.b1.normal_()
+        mot.b2.normal_()
     src, emb = torch.randn(1, 5, len(cfg.used_src) * 16), torch.randn(1, 5, 12)
-    a = mot(src, emb).y
-    mot.cfg.dispatch = "dense"
-    torch.testing.assert_close(mot(src, emb).y, a, rtol=1e-5, atol=1e-5)
+    out = mot(src, emb)
+    assert float(out.aux_loss) == 1.0 and torch.equal(out.expert_load, torch.ones(len(cfg.groups), 1))
+    # one expert per group skips the router: the same as routing every token to its group's expert
+    h = torch.randn(len(cfg.groups), 2, 5, 8)
+    mixed, _, _ = mot._experts(h, torch.ones(2, 5, dtype=torch.bool), mot.router_norm, mot.router,
+                               (mot.W1, mot.b1, mot.W2, mot.b2))
+    group = torch.arange(len(cfg.groups)).view(-1, 1).expand(-1, 10).reshape(-1, 1)
+    for impl in ("dense", "loop"):
+        routed = dispatch_experts(h.reshape(-1, 8), group, torch.ones(group.shape), mot.W1, mot.b1, mot.W2, mot.b2, impl=impl)
+        torch.testing.assert_close(mixed, h + routed.view_as(h), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("grow", [{"d_expert": 20}, {"blocks": 3}, {"d_expert": 16, "blocks": 2}])
