@@ -13,7 +13,8 @@ units (`decode`) and the k-norm's per-channel scale (`TargetSide.k_post`) are al
 batched GEMM over the layers on a design built in layer-major order, so the output is
 already in the target's units and layout: a dozen passes over `[B, Lt, T, 2kv]` (gathers,
 casts, a permuting einsum, adds, decode, stacking) become one copy in and one copy out.
-The groups' input projections take the source normalisation into their weights too.
+The groups' input projections take the source normalisation into their weights too, and
+multiply in the folded dtype as well.
 
 What stays outside: the sequence mixing and experts (not linear), layer 0 (computed exactly
 from the embeddings), the target's k-norm itself (a division by the key's length) and the
@@ -54,7 +55,8 @@ class FoldedMoT:
             for g in range(len(cfg.groups)):
                 cols = getattr(mot, f"cols_{g}")
                 lin = mot.in_proj[g]
-                self.in_proj.append((lin.weight * inv_std[cols], lin.bias - lin.weight @ shift[cols]))
+                self.in_proj.append(((lin.weight * inv_std[cols]).to(dtype),
+                                     (lin.bias - lin.weight @ shift[cols]).to(dtype)))
             self.weight, self.emb_weight, self.bias, self.source_layers = self._fold_layers(inv_std, shift)
 
     @staticmethod
@@ -128,7 +130,8 @@ class FoldedMoT:
         `inputs`, and the groups' states `[G, B, T, d]` (`MoTOutput.hidden`, which expert-fed
         replay heads read); `emb` `[B, T, E]` float32 target embeddings of its ids."""
         mot, cfg, ts = self.mot, self.mot.cfg, self.ts
-        h, _, _ = mot.mixture(inputs.src, emb, inputs.mask, in_proj=self.in_proj)
+        src = inputs.src.to(self.dtype)  # once: the groups' projections and the design read it
+        h, _, _ = mot.mixture(src, emb, inputs.mask, in_proj=self.in_proj)
         head_states = torch.stack([mot.head_norm[g](h[g]) for g in range(h.shape[0])])
         b, t = inputs.ids.shape
         heads, d, kv = cfg.tgt_kv_heads, cfg.tgt_head_dim, cfg.tgt_kv_dim
@@ -141,7 +144,7 @@ class FoldedMoT:
             e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(self.dtype)
             table = table + (e @ self.emb_weight).view(tokens.numel(), -1, 2 * kv).transpose(0, 1)
         addend = table.to(self.dtype).contiguous().index_select(1, where.reshape(-1))  # [Lt, BT, 2kv]
-        y = torch.baddbmm(addend, self.design(inputs.src, head_states), self.weight).view(-1, b, t, 2 * kv)
+        y = torch.baddbmm(addend, self.design(src, head_states), self.weight).view(-1, b, t, 2 * kv)
         scales = mot.key_scales()
         for j, layer in enumerate(cfg.translated):  # the k-norm and key scales per layer, whole batch
             keys_j = y[j, :, :, :kv].view(b, t, heads, d)

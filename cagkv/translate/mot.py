@@ -402,7 +402,7 @@ class MoTTranslator(nn.Module):
         """Every group's state after sequence mixing and experts, `[G, B, T, d]`, with the
         balance loss and the expert load. `x` is the normalised source features, or, with
         `in_proj` (per group a weight and bias that take the normalisation in, see
-        `cagkv.translate.folded`), the raw ones."""
+        `cagkv.translate.folded`), the raw ones, in the dtype of those weights."""
         cfg = self.cfg
         b, t, _ = x.shape
         e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
@@ -410,7 +410,7 @@ class MoTTranslator(nn.Module):
         for g in range(len(cfg.groups)):
             feats = gather_blocks(x, getattr(self, f"cols_{g}"), 2 * cfg.src_kv_dim)
             proj = self.in_proj[g](feats) if in_proj is None else F.linear(feats, *in_proj[g])
-            hs.append(self.mix[g](proj + e))
+            hs.append(self.mix[g](proj.to(e.dtype) + e))
         h = torch.stack(hs)  # [G, B, T, d]
         keep = torch.ones(b, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
         h, aux, load = self._experts(h, keep, self.router_norm, self.router, (self.W1, self.b1, self.W2, self.b2))
