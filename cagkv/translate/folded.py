@@ -104,23 +104,23 @@ class FoldedMoT:
         return weight, emb_weight, bias * post + mean, source_layers
 
     def design(self, src: torch.Tensor, head_states: torch.Tensor) -> torch.Tensor:
-        """`[Lt, B*T, F]` design from raw source features `[B, T, F_all]` and head-normed group
-        states `[G, B, T, d]`, in the folded dtype."""
+        """`[Lt, N, F]` design of N tokens from their raw source features `[N, F_all]` and
+        head-normed group states `[G, N, d]`, in the folded dtype."""
         cfg = self.mot.cfg
-        b, t, _ = src.shape
+        n_tokens = src.shape[0]
         n_tr, f = self.weight.shape[:2]
-        out = torch.empty(n_tr, b * t, f, dtype=self.dtype)
+        out = torch.empty(n_tr, n_tokens, f, dtype=self.dtype)
         at = 0
         if self.source_layers is not None:
             feat = 2 * cfg.src_kv_dim
-            per_layer = src.reshape(b * t, -1, feat)  # [BT, n_used, feat]
+            per_layer = src.view(n_tokens, -1, feat)  # [N, n_used, feat]
             for i, row in enumerate(self.source_layers.tolist()):
                 for j, s in enumerate(row):
                     out[i, :, at + j * feat : at + (j + 1) * feat].copy_(per_layer[:, s])
             at += self.source_layers.shape[1] * feat
         group_of = {layer: g for g, layers in enumerate(cfg.groups) for layer in layers}
         for i, layer in enumerate(cfg.translated):
-            out[i, :, at:].copy_(head_states[group_of[layer]].reshape(b * t, -1))
+            out[i, :, at:].copy_(head_states[group_of[layer]])
         return out
 
     @torch.no_grad()
@@ -132,38 +132,43 @@ class FoldedMoT:
         mot, cfg, ts = self.mot, self.mot.cfg, self.ts
         src = inputs.src.to(self.dtype)  # once: the groups' projections and the design read it
         h, _, _ = mot.mixture(src, emb, inputs.mask, in_proj=self.in_proj)
-        head_states = torch.stack([mot.head_norm[g](h[g]) for g in range(h.shape[0])])
-        b, t = inputs.ids.shape
+        g, b, t = h.shape[:3]
+        # the mixture ran on the padded batch (its sequence mixing needs it); everything after
+        # is per token, so it runs on the real tokens only, block after block
+        rows = inputs.mask.reshape(-1).nonzero().squeeze(1)  # [N]
+        head_states = torch.stack([mot.head_norm[i](h[i]) for i in range(g)]).view(g, b * t, -1).index_select(1, rows)
         heads, d, kv = cfg.tgt_kv_heads, cfg.tgt_head_dim, cfg.tgt_kv_dim
         # bias + the embedding's share, computed once per distinct token, enter the product as
         # its addend: the sum is rounded once, like the product alone
-        tokens, where = torch.unique(inputs.ids.reshape(-1), return_inverse=True)
+        tokens, where = torch.unique(inputs.ids.reshape(-1).index_select(0, rows), return_inverse=True)
         table = self.bias[:, None, :].expand(-1, tokens.numel(), -1)  # [Lt, U, 2kv]
         if self.emb_weight is not None:
             e = ts.embed(tokens).float()
             e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(self.dtype)
             table = table + (e @ self.emb_weight).view(tokens.numel(), -1, 2 * kv).transpose(0, 1)
-        addend = table.to(self.dtype).contiguous().index_select(1, where.reshape(-1))  # [Lt, BT, 2kv]
-        y = torch.baddbmm(addend, self.design(src, head_states), self.weight).view(-1, b, t, 2 * kv)
+        addend = table.to(self.dtype).contiguous().index_select(1, where)  # [Lt, N, 2kv]
+        design = self.design(src.view(b * t, -1).index_select(0, rows), head_states)
+        y = torch.baddbmm(addend, design, self.weight)  # [Lt, N, 2kv]
         scales = mot.key_scales()
-        for j, layer in enumerate(cfg.translated):  # the k-norm and key scales per layer, whole batch
-            keys_j = y[j, :, :, :kv].view(b, t, heads, d)
+        for j, layer in enumerate(cfg.translated):  # the k-norm and key scales per layer, every token at once
+            keys_j = y[j, :, :kv].view(-1, heads, d)
             if cfg.tgt_k_norm:
                 norm = ts.layers[layer].self_attn.k_norm
                 keys_j.copy_(norm(keys_j))
             if scales is not None:
                 keys_j *= scales[layer].to(keys_j.dtype)
         k0, v0 = ts.exact_kv(emb.to(next(ts.model.parameters()).dtype), 0)  # [B, H, T, D]
-        result = []
+        result, at = [], 0
         for i, n in enumerate(inputs.lengths):
             keys = torch.empty(cfg.tgt_layers, heads, n, d, dtype=out_dtype)
             values = torch.empty_like(keys)
             for layer in cfg.exact_layers:
                 keys[layer], values[layer] = k0[i, :, :n], v0[i, :, :n]
-            k_tr = y[:, i, :n, :kv].view(-1, n, heads, d).transpose(1, 2)  # [Lt, H, n, D]
-            v_tr = y[:, i, :n, kv:].view(-1, n, heads, d).transpose(1, 2)
+            k_tr = y[:, at : at + n, :kv].view(-1, n, heads, d).transpose(1, 2)  # [Lt, H, n, D]
+            v_tr = y[:, at : at + n, kv:].view(-1, n, heads, d).transpose(1, 2)
             for j, layer in enumerate(cfg.translated):  # one pass each: copy and cast
                 keys[layer].copy_(k_tr[j])
                 values[layer].copy_(v_tr[j])
             result.append((keys, values))
+            at += n
         return result, h
