@@ -273,6 +273,8 @@ class CAG:
             self._check_tokenizer()
         fmt = self.prompt_format(target_model)
         self._prefix_entry(target_model, fmt)  # computed once per model, before timing
+        if mode in TRANSLATED and hasattr(translator, "warm"):
+            translator.warm(target_model)  # its inference form, built once per target, before timing
         if mode != "none":
             self._warm_embedder()
         started = time.perf_counter()

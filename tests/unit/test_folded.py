@@ -89,6 +89,20 @@ def test_translator_uses_the_folded_form_and_can_be_told_not_to() -> None:
     torch.testing.assert_close(folded.values, plain.values, rtol=1e-4, atol=1e-4)
 
 
+def test_warm_builds_the_folded_form_once() -> None:
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    tr = Translator(random_translator(src, tgt), card)
+    tr.set_linear_path(torch.bfloat16)  # whatever this CPU's default is
+    tr.warm(tgt)
+    built = tr._folded_mot
+    tr.translate(chunk_block(src, CORPUS[0]), tgt)
+    assert tr._folded_mot is built  # the translation reused it
+    tr.set_linear_path(torch.float32)
+    tr.warm(tgt)
+    assert tr._folded_mot is not built and tr._folded_mot.dtype == torch.float32
+
+
 def test_replay_and_window_read_the_folded_form_alike() -> None:
     src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
     card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
