@@ -2,19 +2,21 @@
 
 Training reads `MoTTranslator.forward` (outputs in normalised units, where its losses
 live) and `assemble_kv`. At inference each translated layer's keys and values are an affine
-function of one design row per token,
+function of the token's
 
-    [raw source features of the layer's mapped source layers | RMS-normed target embedding
-     | the layer group's head-normed state]
+    [raw source features of the layer's mapped source layers | the layer group's head-normed
+     state] and its RMS-normed target embedding
 
 because the source normalisation, the linear path (`skip`), the layer's head, the target
 units (`decode`) and the k-norm's per-channel scale (`TargetSide.k_post`) are all linear.
 `FoldedMoT` multiplies them into one matrix and bias per layer and applies them as one
-batched GEMM over the layers on a design built in layer-major order, so the output is
-already in the target's units and layout: a dozen passes over `[B, Lt, T, 2kv]` (gathers,
-casts, a permuting einsum, adds, decode, stacking) become one copy in and one copy out.
-The groups' input projections take the source normalisation into their weights too, and
-multiply in the folded dtype as well.
+batched GEMM over the layers, on the real tokens only (the mixture before it needs the
+padded batch; nothing after it does), with a design built in layer-major order. The
+embedding's share depends on the token alone: it is computed once per distinct token and
+enters the GEMM with the bias as its addend. The output is already in the target's units
+and layout: a dozen passes over `[B, Lt, T, 2kv]` (gathers, casts, a permuting einsum,
+adds, decode, stacking) become one copy in and one copy out. The groups' input projections
+take the source normalisation into their weights too, and multiply in the folded dtype.
 
 What stays outside: the sequence mixing and experts (not linear), layer 0 (computed exactly
 from the embeddings), the target's k-norm itself (a division by the key's length) and the
