@@ -12,8 +12,6 @@ Implementations (`impl`):
     "grouped"  `torch._grouped_mm` over the sorted rows with per-expert offsets
     "auto"     "grouped" where it is available (CUDA, or CPU float32), else "loop"
 
-With a single expert (so k = 1) every implementation but "dense" is one plain MLP call.
-
 Example:
     >>> y = dispatch_experts(x, idx, gate, W1, b1, W2, b2)  # x [N, d], idx/gate [N, k] -> [N, o]
 """
@@ -57,8 +55,6 @@ def dispatch_experts(
         impl = _auto_impl(x, d, h, o)
     if impl == "dense":
         return _dense(x, expert_idx, gate, W1, b1, W2, b2)
-    if n_exp == 1:  # one expert (so k = 1): no routing to do, no sorting or gathers
-        return _mlp(x, W1[0], b1[0], W2[0], b2[0]) * gate.to(x.dtype)
     k = expert_idx.shape[1]
     flat_e = expert_idx.reshape(-1)  # [N*k]
     order = torch.argsort(flat_e, stable=True)  # assignments sorted by expert

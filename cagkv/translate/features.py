@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["source_features", "TargetSide", "running_stats"]
+__all__ = ["source_features", "unit_rms", "TargetSide", "running_stats"]
 
 
 def source_features(keys: torch.Tensor, values: torch.Tensor, used: list[int]) -> torch.Tensor:
@@ -28,6 +28,12 @@ def source_features(keys: torch.Tensor, values: torch.Tensor, used: list[int]) -
         out[:, j, 0].copy_(keys[layer].transpose(0, 1))  # [S, H, D]
         out[:, j, 1].copy_(values[layer].transpose(0, 1))
     return out.view(s, -1)  # [S, n*2*kv]
+
+
+def unit_rms(x: torch.Tensor) -> torch.Tensor:
+    """`x` scaled to unit RMS over its last axis: how the linear path, the replay heads and
+    the linear map read the target's embedding."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -78,6 +84,12 @@ class TargetSide:
         with torch.no_grad():
             return norm(torch.ones(1, self.head_dim, dtype=ref.dtype, device=ref.device))[0].float()
 
+    def k_divisor(self, layer: int) -> torch.Tensor:
+        """`k_scale(layer)` with near-zero channels raised to 1e-4: what translator keys in
+        post-norm units are divided by before the norm (`k_post`, `FoldedMoT`)."""
+        scale = self.k_scale(layer)
+        return torch.where(scale.abs() < 1e-4, torch.full_like(scale, 1e-4), scale)
+
     def k_post(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         """Translator keys `[B, H, T, D]` in post-norm units -> the target's k-norm applied.
 
@@ -87,8 +99,7 @@ class TargetSide:
         if not self.has_k_norm:
             return k
         norm = self.layers[layer].self_attn.k_norm
-        scale = self.k_scale(layer).to(k.dtype)
-        scale = torch.where(scale.abs() < 1e-4, torch.full_like(scale, 1e-4), scale)
+        scale = self.k_divisor(layer).to(k.dtype)
         w_dtype = next(norm.parameters()).dtype
         return norm((k / scale).to(w_dtype)).to(k.dtype)
 

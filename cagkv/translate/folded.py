@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cagkv.translate.features import TargetSide
+from cagkv.translate.features import TargetSide, unit_rms
 from cagkv.translate.mot import MoTTranslator
 
 if TYPE_CHECKING:
@@ -74,19 +74,18 @@ class FoldedMoT:
         positions the design reads `[Lt, n_map]` (None without a linear path)."""
         mot, cfg = self.mot, self.mot.cfg
         parts, bias = [], mot.head_b.clone()
-        source_layers = None
+        source_layers = emb_weight = None
         if cfg.skip_rank > 0:
             feat = 2 * cfg.src_kv_dim
             n_emb = cfg.tgt_embed_dim
             w = torch.bmm(mot.skip_a, mot.skip_b)  # [Lt, F_src + E, 2kv] on normalised inputs
-            w_src, w_emb = w[:, :-n_emb], w[:, -n_emb:]
+            w_src, emb_weight = w[:, :-n_emb], w[:, -n_emb:]
             cols = mot.skip_cols  # [Lt, F_src]
             parts.append(w_src * inv_std[cols][:, :, None])
             bias = bias + mot.skip_bias - torch.einsum("lf,lfo->lo", shift[cols], w_src)
             source_layers = cols[:, ::feat] // feat
         parts.append(mot.head_w)  # [Lt, d, 2kv] on the head-normed group state
         weight = torch.cat(parts, 1)
-        emb_weight = w_emb if cfg.skip_rank > 0 else None
         idx = torch.tensor(cfg.translated)
         std, mean = mot.tgt_std[idx], mot.tgt_mean[idx]  # [Lt, 2kv]: decode
         post = std.clone()
@@ -94,9 +93,7 @@ class FoldedMoT:
         if cfg.tgt_k_norm:  # k_post divides keys by the norm's per-channel scale before the norm
             kv = cfg.tgt_kv_dim
             for i, layer in enumerate(cfg.translated):
-                scale = self.ts.k_scale(layer).float()
-                scale = torch.where(scale.abs() < 1e-4, torch.full_like(scale, 1e-4), scale)
-                tiled = scale.repeat(cfg.tgt_kv_heads)  # key channels are laid out head by head
+                tiled = self.ts.k_divisor(layer).float().repeat(cfg.tgt_kv_heads)  # key channels are laid out head by head
                 post[i, :kv] /= tiled
                 mean[i, :kv] /= tiled
         weight = (weight * post[:, None, :]).to(self.dtype).contiguous()
@@ -145,8 +142,7 @@ class FoldedMoT:
         tokens, where = torch.unique(inputs.ids.reshape(-1).index_select(0, rows), return_inverse=True)
         table = self.bias[:, None, :].expand(-1, tokens.numel(), -1)  # [Lt, U, 2kv]
         if self.emb_weight is not None:
-            e = ts.embed(tokens).float()
-            e = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).to(self.dtype)
+            e = unit_rms(ts.embed(tokens).float()).to(self.dtype)
             table = table + (e @ self.emb_weight).view(tokens.numel(), -1, 2 * kv).transpose(0, 1)
         addend = table.to(self.dtype).contiguous().index_select(1, where)  # [Lt, N, 2kv]
         design = self.design(src.view(b * t, -1).index_select(0, rows), head_states)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cagkv.translate.features import unit_rms
 from cagkv.translate.mot import MoTConfig, MoTOutput, MoTTranslator
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class LinearTranslator(MoTTranslator):
     def design(self, src: torch.Tensor, emb: torch.Tensor, i: int) -> torch.Tensor:
         """Design matrix `[B, T, F_i + E + 1]` of translated layer index i."""
         x = (src - self.src_mean) / self.src_std
-        e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+        e = unit_rms(emb)
         ones = torch.ones(*src.shape[:-1], 1)
         return torch.cat([x.index_select(-1, self.layer_cols[i]), e, ones], -1)
 

@@ -21,7 +21,9 @@ own k-norm module is applied by the caller (`features.TargetSide.k_post`), so tr
 keys lie on the target's key manifold. Layers in `exact_layers` (layer 0) are not
 translated: the caller computes them exactly from the target's embeddings.
 
-All (token, group, slot) expert assignments go through one `dispatch_experts` call.
+All (token, group, slot) expert assignments go through one `dispatch_experts` call; with
+one expert per group there is nothing to route, and the groups' experts run as one batched
+product.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import nn
 
 from cagkv.config import strict_from_dict
 from cagkv.translate.dispatch import dispatch_experts, load_balance_loss
+from cagkv.translate.features import unit_rms
 from cagkv.translate.layermap import layer_groups, used_source_layers
 
 __all__ = ["MoTConfig", "MoTTranslator", "MoTOutput", "BoundaryHead", "reduced_rank", "with_expert_fed_heads", "grown_state", "LayerStream"]
@@ -213,8 +216,7 @@ class BoundaryHead(nn.Module):
 
     def design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """`[B, T, F_b + E]` inputs from normalised source features `x` and raw embeddings."""
-        e = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return torch.cat([gather_blocks(x, self.cols, self.width), e], -1)
+        return torch.cat([gather_blocks(x, self.cols, self.width), unit_rms(emb)], -1)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """`hidden`: `MoTOutput.hidden` `[G, B, T, d]` of the same tokens (needed when expert-fed)."""
@@ -467,7 +469,7 @@ class MoTTranslator(nn.Module):
         `[B, T, Lt, n_map*feat]` and the normalised embedding `[B, T, E]` every layer shares."""
         b, t, _ = x.shape
         sources = gather_blocks(x, self.skip_cols.reshape(-1), 2 * self.cfg.src_kv_dim).reshape(b, t, self.skip_cols.shape[0], -1)
-        return sources, emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return sources, unit_rms(emb)
 
     def skip_design(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """Inputs of the linear path as one design: `[B, T, Lt, F]` (source features | embedding)."""

@@ -141,6 +141,8 @@ class Translator:
 
     def __init__(self, model: MoTTranslator, card: dict[str, Any], path: str | None = None) -> None:
         self.model = model.eval()
+        self._folded_mot: FoldedMoT | None = None
+        self._folded_for: tuple[str, torch.dtype] | None = None  # (target fingerprint, dtype) it was built for
         self.set_linear_path(linear_path_dtype())
         self.card = card
         self.last_replay_ms = 0.0  # time of the last call's replay / window recomputation
@@ -148,9 +150,9 @@ class Translator:
         self.path = path  # artifact folder, when loaded from one
 
     def set_linear_path(self, dtype: torch.dtype, folded: bool = True) -> None:
-        """The dtype the translator's linear parts multiply in, and whether plain translation
-        (replay 0, no window) uses the folded inference form (`cagkv.translate.folded`, the
-        default) or the training graph with a folded linear path (E55's form)."""
+        """The dtype the translator's linear parts multiply in, and whether translation uses
+        the folded inference form (`cagkv.translate.folded`, the default) or the training
+        graph with a folded linear path (E55's form)."""
         self.linear_dtype, self.folded = dtype, folded
         self.model.fold_skip(dtype)
 
@@ -236,7 +238,7 @@ class Translator:
         ts = TargetSide(target.model)
         dtype = next(target.model.parameters()).dtype
         emb = ts.embed(inputs.ids).float()
-        if self.folded and FoldedMoT.supports(self.model):
+        if self._uses_folded():
             kv, hidden = self._folded(target, ts).kv(inputs, emb, out_dtype=dtype)
         else:
             out = self.model(inputs.src, emb, inputs.mask)
@@ -269,13 +271,16 @@ class Translator:
     def warm(self, target: LoadedModel) -> None:
         """Build what the first translation into `target` would build (the folded form), so
         that a caller timing translations does not time this one-time cost."""
-        if self.folded and FoldedMoT.supports(self.model):
+        if self._uses_folded():
             self._folded(target, TargetSide(target.model))
+
+    def _uses_folded(self) -> bool:
+        return self.folded and FoldedMoT.supports(self.model)
 
     def _folded(self, target: LoadedModel, ts: TargetSide) -> FoldedMoT:
         """The inference form of the translator for `target` (built at the first translation)."""
         key = (target.fingerprint, self.linear_dtype)
-        if getattr(self, "_folded_for", None) != key:
+        if self._folded_for != key:
             self._folded_mot, self._folded_for = FoldedMoT(self.model, ts, self.linear_dtype), key
         return self._folded_mot
 
