@@ -7,6 +7,10 @@ useful direction and overshot; if quality falls monotonically from A, it moved t
 Normalisation statistics and integer buffers are A's (they must agree, and are checked).
 E37 in docs/EXPERIMENTS.md.
 
+A may have one expert per group where B, a continuation grown from it (`--init A --experts
+N`), has N: A is then read as its upcycled form (its expert copied N times, under B's router,
+which does not change what A computes), so the two share one shape (E57).
+
 With `--probe PAIRS` (a pair folder with heldout/) the card's held-out quality is measured
 again for the new weights, as `cagkv train` measures it (`Trainer.evaluate`), so `auto`'s
 threshold reads the translator it guards, not A.
@@ -20,12 +24,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
 import torch
 
 from cagkv.translate.artifact import load_translator, save_artifact
+from cagkv.translate.mot import MoTTranslator, grown_state
 
 
 @torch.no_grad()
@@ -47,6 +53,18 @@ def interpolate(a: torch.nn.Module, b: torch.nn.Module, t: float) -> dict[str, t
         else:
             out[name] = va
     return out
+
+
+def upcycled_like(a: MoTTranslator, b: MoTTranslator) -> MoTTranslator:
+    """`a` (one expert per group) in `b`'s shape: each expert copied into all of `b`'s, `b`'s routers."""
+    cfg_a, cfg_b = a.cfg, b.cfg
+    if cfg_a.experts != 1 or dataclasses.replace(cfg_b, experts=1, top_k=1) != cfg_a:
+        raise ValueError("the two translators have different configs (beyond A's one expert grown to B's several)")
+    grown = MoTTranslator(cfg_b)
+    state = grown_state(grown, a.state_dict())
+    state.update({name: v for name, v in b.state_dict().items() if ".router." in f".{name}"})
+    grown.load_state_dict(state)
+    return grown.train(False)
 
 
 def probe_quality(translator: Any, pairs: str, chunks: int) -> dict[str, Any]:
@@ -78,7 +96,10 @@ def main() -> None:
     args = ap.parse_args()
     a, b = load_translator(os.path.expanduser(args.a)), load_translator(os.path.expanduser(args.b))
     if a.model.cfg != b.model.cfg:
-        raise SystemExit("the two translators have different configs")
+        try:
+            a.model = upcycled_like(a.model, b.model)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     a.model.load_state_dict(interpolate(a.model, b.model, args.t))
     card = dict(a.card, interpolated={"a": args.a, "b": args.b, "t": args.t})
     if args.probe:

@@ -602,6 +602,7 @@ def with_expert_fed_heads(mot: MoTTranslator) -> MoTTranslator:
 
 
 _HIDDEN_AXIS = {"W1": -1, "b1": -1, "W2": -2}  # the experts' hidden dimension in each tensor
+_EXPERT_TENSORS = ("W1", "b1", "W2", "b2")  # first axis: group * experts + expert
 
 
 @torch.no_grad()
@@ -610,14 +611,23 @@ def grown_state(new: MoTTranslator, old: dict[str, torch.Tensor]) -> dict[str, t
     shape as they are, and the experts' first/second layers of a narrower translator copied
     into the first hidden units of `new`'s wider ones, whose further units start with zero
     second-layer rows. So a translator grown in `d_expert` (or by further `blocks`, which
-    start as the identity) computes exactly what `old` did. Tensors that fit neither way
-    are left out (the caller keeps `new`'s own)."""
+    start as the identity) computes exactly what `old` did. One expert per group grown to
+    several (sparse upcycling) is copied into each of them: the gates of the top-k experts
+    sum to one, so identical experts compute the old expert whatever the (fresh) router
+    picks. Tensors that fit none of these ways are left out (the caller keeps `new`'s own)."""
     own = new.state_dict()
+    n_groups, n_exp = len(new.cfg.groups), new.cfg.experts
     out: dict[str, torch.Tensor] = {}
     for name, v in old.items():
         if name not in own:
             continue
         mine = own[name]
+        if (name.rsplit(".", 1)[-1] in _EXPERT_TENSORS and n_exp > 1 and v.shape[0] == n_groups
+                and mine.shape[0] == n_groups * n_exp):
+            v = v.repeat_interleave(n_exp, dim=0)
+        if ".router." in f".{name}" and n_exp > 1 and v.shape[0] == 1 and mine.shape[0] == n_exp:
+            out[name] = mine  # a one-expert translator never routes: the new router starts fresh
+            continue
         if mine.shape == v.shape:
             out[name] = v
             continue

@@ -135,6 +135,29 @@ def test_grown_translator_computes_what_it_grew_from_and_trains_its_new_part(gro
         assert "W1" not in grown_state(small, big.state_dict())
 
 
+def test_one_expert_upcycled_to_several_computes_the_same_and_its_experts_part() -> None:
+    torch.manual_seed(0)
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), group_size=2, d_model=8, d_expert=8, experts=1, top_k=1,
+                    blocks=2)
+    single = MoTTranslator(cfg)
+    with torch.no_grad():  # non-zero second layers, so the experts' outputs count
+        single.W2.normal_()
+        single.rounds[0].W2.normal_()
+    src, emb = torch.randn(2, 6, len(cfg.used_src) * 16), torch.randn(2, 6, 12)
+    many = MoTTranslator(MoTConfig.from_dict({**cfg.to_dict(), "experts": 4, "top_k": 2}))
+    state = grown_state(many, single.state_dict())
+    assert set(state) == set(many.state_dict())  # every tensor placed: nothing falls back to zero heads
+    many.load_state_dict(state)
+    assert torch.equal(many.W1[4:8], single.W1[1:2].expand(4, -1, -1))  # group 1's four copies
+    before, after = single(src, emb), many(src, emb)
+    torch.testing.assert_close(after.y, before.y, rtol=1e-5, atol=1e-6)
+    assert bool((after.expert_load > 0).sum(-1).ge(2).all())  # the fresh router spreads tokens
+    # tokens routed apart give the copies different gradients: they part after a step
+    after.y.square().mean().backward()
+    g = many.W1.grad.view(len(cfg.groups), 4, *many.W1.shape[1:])
+    assert float((g[:, 0] - g[:, 1]).abs().sum()) > 0
+
+
 def test_config_rejects_unknown_keys() -> None:
     cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1))
     with pytest.raises(ValueError, match="unknown translator config keys"):
@@ -207,3 +230,22 @@ def test_interpolated_translator_weights_lie_between_the_two_and_buffers_must_ag
         b.tgt_std.mul_(2)  # another normalisation: the weights would not mean the same thing
     with pytest.raises(ValueError, match="tgt_std"):
         interpolate(a, b, 0.5)
+
+
+def test_a_single_expert_interpolates_with_its_upcycled_continuation() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from interpolate_translators import upcycled_like
+
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), d_model=8, d_expert=8, experts=1, top_k=1)
+    torch.manual_seed(0)
+    a = MoTTranslator(cfg).eval()
+    with torch.no_grad():
+        a.W2.normal_()
+    b = MoTTranslator(MoTConfig.from_dict({**cfg.to_dict(), "experts": 3, "top_k": 2})).eval()
+    grown = upcycled_like(a, b)
+    src, emb = torch.randn(1, 6, len(cfg.used_src) * 2 * 8), torch.randn(1, 6, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(grown(src, emb).y, a(src, emb).y, rtol=1e-5, atol=1e-6)
+    assert torch.equal(grown.router[0].weight, b.router[0].weight)
+    with pytest.raises(ValueError, match="different configs"):
+        upcycled_like(a, MoTTranslator(MoTConfig.from_dict({**cfg.to_dict(), "experts": 3, "d_model": 16})))
