@@ -313,7 +313,7 @@ class CAG:
             with _timer(timings, "replay"):
                 neutral_ids = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
                 self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
-                             refresh_scoring)
+                             refresh_scoring, stop_ids=fmt.stop_ids)
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
             target=target_model,
@@ -483,18 +483,21 @@ class CAG:
 
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
-                neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING) -> list[int]:
+                neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING,
+                stop_ids: Sequence[int] = ()) -> list[int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
         position, block) that `prompt_ids` need most over `cache`, ranked by `scoring` (by
         default relative to what the question-agnostic `neutral_ids` attend to:
-        `cagkv.refresh.score_positions`). Returns the refreshed positions."""
-        from cagkv.refresh import refresh_tokens, score_positions, top_positions
+        `cagkv.refresh.score_positions`; "drafted" first drafts the answer's first tokens,
+        ending before `stop_ids`). Returns the refreshed positions."""
+        from cagkv.refresh import draft_answer, refresh_tokens, score_positions, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
             token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
         candidates = sorted(token_at)
-        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring)
+        drafted = draft_answer(target.model, cache, n, prompt_ids, stop_ids=stop_ids) if scoring == "drafted" else []
+        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted)
         chosen = top_positions(mass, candidates, fraction)
         refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
         return chosen

@@ -30,16 +30,19 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
-__all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "prompt_attention", "question_attention", "contrast",
-           "pool", "score_positions", "top_positions", "refresh_tokens"]
+__all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
+           "contrast", "pool", "draft_answer", "score_positions", "top_positions", "refresh_tokens"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
 # contrast averaged over POOL_WIDTH neighbours, so spans rather than lone tokens are chosen (E44);
-# "averaged", contrast against the mean mass of several neutral prompts rather than one (E49)
-SCORINGS = ("attention", "contrast", "pooled", "averaged")
+# "averaged", contrast against the mean mass of several neutral prompts rather than one (E49);
+# "drafted", contrast of the question followed by the first answer tokens it gets from the
+# translated cache, which read where the answer is rather than where the question's words are (E58)
+SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted")
 DEFAULT_SCORING = "contrast"  # measured: E43
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
+DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
 _EAGER_SWITCH = threading.Lock()
 
 
@@ -120,12 +123,35 @@ def pool(score: torch.Tensor, candidates: Sequence[int], width: int = POOL_WIDTH
     return out
 
 
+@torch.inference_mode()
+def draft_answer(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int], count: int = DRAFT_TOKENS,
+                 stop_ids: Sequence[int] = ()) -> list[int]:
+    """The greedy continuation of `prompt_ids` placed after the `n` cached tokens: at most
+    `count` ids, ending before the first of `stop_ids`. `cache` is not changed (a copy decodes)."""
+    work = copy.deepcopy(cache)
+    ids, position, drafted = list(prompt_ids), n, []
+    stops = set(stop_ids)
+    for _ in range(count):
+        positions = (position + torch.arange(len(ids)))[None]
+        logits = model(input_ids=torch.tensor([ids]), cache=work, position_ids=positions, use_cache=True,
+                       logits_to_keep=1).logits[0, -1]
+        position += len(ids)
+        token = int(torch.argmax(logits))
+        if token in stops:
+            break
+        drafted.append(token)
+        ids = [token]
+    return drafted
+
+
 def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int],
                     neutral_ids: Sequence[Sequence[int]], candidates: Sequence[int],
-                    scoring: str = DEFAULT_SCORING) -> torch.Tensor:
+                    scoring: str = DEFAULT_SCORING, draft_ids: Sequence[int] = ()) -> torch.Tensor:
     """How much `prompt_ids` need each cached position `[n]`, by `scoring` (one of SCORINGS):
     all prompts in one batched pass. `neutral_ids` are question-agnostic prompts in the same
-    template; "contrast" and "pooled" use the first, "averaged" all of them."""
+    template; "contrast", "pooled" and "drafted" use the first, "averaged" all of them.
+    "drafted" measures `prompt_ids + draft_ids` (`draft_answer`), its mass scaled to the
+    question's length so that the contrast's offset weighs as it does for the question alone."""
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}: expected one of {', '.join(SCORINGS)}")
     if scoring == "attention":
@@ -133,8 +159,9 @@ def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[i
     neutral = list(neutral_ids) if scoring == "averaged" else list(neutral_ids)[:1]
     if not neutral:
         raise ValueError(f"scoring {scoring!r} needs a neutral prompt")
-    masses = prompt_attention(model, cache, n, [prompt_ids, *neutral])
-    mass = contrast(masses[0], masses[1:].mean(dim=0), candidates)
+    asked = [*prompt_ids, *draft_ids] if scoring == "drafted" else list(prompt_ids)
+    masses = prompt_attention(model, cache, n, [asked, *neutral])
+    mass = contrast(masses[0] * (len(prompt_ids) / len(asked)), masses[1:].mean(dim=0), candidates)
     return pool(mass, candidates) if scoring == "pooled" else mass
 
 

@@ -312,18 +312,21 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
     monkeypatch.setattr(cagkv.refresh, "refresh_tokens", refresh)
     chosen = []
     question = "Why did ships pass safely?"
-    for scoring in ("attention", "contrast", "pooled", "averaged"):
+    for scoring in ("attention", "contrast", "pooled", "averaged", "drafted"):
         cag.prepare(question, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
                     refresh_scoring=scoring)  # fmt: skip
         chosen.append(refreshed[-1])  # the call before it computed the chunk separators
     fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
     # attention: one pass of the question; contrast and pooled: one pass of the question and the
     # first neutral prompt; averaged: one pass of the question and every neutral prompt
-    assert [len(p) for p in passes] == [1, 2, 2, 1 + len(NEUTRAL_QUESTIONS)]
+    # drafted: the question followed by its drafted answer, and the first neutral prompt
+    assert [len(p) for p in passes] == [1, 2, 2, 1 + len(NEUTRAL_QUESTIONS), 2]
+    assert passes[4][1] == passes[1][1] and passes[4][0][: len(passes[0][0])] == passes[0][0]
+    assert len(passes[4][0]) > len(passes[0][0])
     assert passes[1][0] == passes[0][0] and passes[2] == passes[1] and passes[3][:2] == passes[1]
     pending = passes[0][0][: len(passes[0][0]) - len(fmt.question_suffix_ids(question))]
     assert passes[3][1:] == [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
-    assert len(chosen[0]) == len(chosen[1]) == len(chosen[2]) == len(chosen[3]) > 0
+    assert len(chosen[0]) == len(chosen[1]) == len(chosen[2]) == len(chosen[3]) == len(chosen[4]) > 0
     # pooling makes runs of neighbours: the pooled choice is never more scattered than contrast's
     runs = [1 + sum(b != a + 1 for a, b in zip(c, c[1:])) for c in chosen]
     assert runs[2] <= runs[1]

@@ -10,7 +10,8 @@ import torch
 from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
-from cagkv.refresh import contrast, pool, prompt_attention, question_attention, refresh_tokens, top_positions
+from cagkv.refresh import (contrast, draft_answer, pool, prompt_attention, question_attention, refresh_tokens,
+                           top_positions)
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -161,6 +162,10 @@ def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> 
     # the average sees what one neutral prompt misses: position 3 is read by the first neutral prompt only
     assert top_positions(refresh.score_positions(None, None, 4, [5], neutral, candidates, "contrast"), candidates, 0.34) == [1]
     assert top_positions(refresh.score_positions(None, None, 4, [5], neutral, candidates, "averaged"), candidates, 0.34) == [3]
+    # drafted: the question and its draft in one row, scaled to the question's length (1 of 3 ids)
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "drafted", [6, 7]),
+                       contrast(masses[0] / 3, masses[1], candidates))
+    assert seen[-1] == 2
     with pytest.raises(ValueError, match="neutral"):
         refresh.score_positions(None, None, 4, [5], [], candidates, "contrast")
     with pytest.raises(ValueError, match="unknown"):
@@ -220,3 +225,19 @@ def test_prompt_attention_from_two_threads_on_one_model(monkeypatch) -> None:
     for mass in results.values():
         torch.testing.assert_close(mass, want)
     assert lm.model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_draft_answer_is_the_greedy_continuation_and_leaves_the_cache(family: str) -> None:
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 14), generator=torch.Generator().manual_seed(3))
+    cache = _native(lm.model, ids[:, :10])
+    before = copy.deepcopy(cache)
+    drafted = draft_answer(lm.model, cache, 10, ids[0, 10:].tolist(), count=5)
+    with torch.no_grad():
+        whole = lm.model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert drafted == whole[0, 14:].tolist()
+    for got, want in zip(cache.layers, before.layers):
+        assert torch.equal(got.keys, want.keys) and got.keys.shape == want.keys.shape
+    # a stop id ends the draft before it
+    assert draft_answer(lm.model, cache, 10, ids[0, 10:].tolist(), count=5, stop_ids=[drafted[2]]) == drafted[:2]
