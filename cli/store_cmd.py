@@ -127,7 +127,8 @@ def ask_cmd(
         help="How --refresh ranks the chunk tokens: attention (the question's attention) or contrast "
              "(that attention over a neutral prompt's: skips the tokens every prompt reads) or pooled "
              "(contrast averaged over 5 neighbouring tokens: chooses spans) or averaged (contrast over "
-             "the mean of several neutral prompts). "
+             "the mean of several neutral prompts) or drafted (contrast of the question followed by "
+             "8 answer tokens drafted over the translated cache). "
              "Default: cagkv.refresh.DEFAULT_SCORING.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
