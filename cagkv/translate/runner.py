@@ -153,8 +153,8 @@ def start_from_artifact(path: str, source: Any, target: Any,
     """`init=PATH`: a translator shaped by `mot_cfg` (the mixture) whose linear path, replay
     heads and normalisation statistics are those of the translator at PATH (same source and
     target, checked by fingerprint). A mixture grown from PATH's (wider experts, more
-    `blocks`) starts from PATH's weights (`mot.grown_state`) and computes exactly what PATH
-    computes. A mixture that cannot hold PATH's (another `d_model`, a smaller `d_expert`,
+    `blocks`, or several experts per group where PATH has one: upcycled) starts from PATH's
+    weights (`mot.grown_state`) and computes exactly what PATH computes. A mixture that cannot hold PATH's (another `d_model`, a smaller `d_expert`,
     fewer `blocks`: some of PATH's mixture tensors do not fit) starts with zero output heads,
     so it computes PATH's linear path alone; the message and the record say which.
     Returns (translator, the "start" stage record, PATH's card)."""
