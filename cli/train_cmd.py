@@ -17,7 +17,8 @@ def train_cmd(
     out: str = typer.Option(None, "--out", help="Artifact folder. Default: $CAGKV_HOME/translators/SRC__TGT."),
     corpus: list[str] = typer.Option(None, "--corpus", help="Corpus name (pydoc, lee, shakespeare, wiki) or .txt path; repeatable (default lee + pydoc)."),
     samples: int = typer.Option(72, "--samples", help="Training chunks to draw (10% of documents held out)."),
-    experts: int = typer.Option(4, "--experts", help="Experts per layer group (1 = single-translator ablation)."),
+    experts: int = typer.Option(4, "--experts", help="Experts per layer group (1 = single-translator ablation; with --init from a one-expert "
+                                     "translator, each expert starts as its copy: upcycled)."),
     top_k: int = typer.Option(2, "--top-k", help="Experts per token."),
     steps: str = typer.Option("0,0,400", "--steps", help="Steps of regression,attention,e2e (0 skips a stage)."),
     minutes: str = typer.Option("0,0,24", "--minutes", help="Wall budget per stage in minutes (0 = none)."),
