@@ -135,6 +135,9 @@ def main() -> None:
                              "float32-unfolded, bfloat16-unfolded: each translating mode gets one row per "
                              "entry, LABEL:ENTRY, side by side (default: the machine's dtype, CAGKV_LINEAR_DTYPE, "
                              "folded)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also run each translating mode with the chunk separators and refreshed tokens "
+                             "in forwards of their own (CAG.fuse_feed False, as before E62): rows LABEL:unfused")
     parser.add_argument("--embedder", default=None, help="store embedder (default minilm-l6)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -147,6 +150,11 @@ def main() -> None:
     from cagkv.stores import CacheStore
 
     specs, linear = expand_linear_dtypes([m.strip() for m in args.modes.split(",") if m.strip()], args.linear_dtypes)
+    fused = dict.fromkeys(specs, True)
+    if args.unfused:
+        for m, spec in list(specs.items()):
+            if spec[1] in ("translate", "mot-window", "auto"):
+                specs[f"{m}:unfused"], linear[f"{m}:unfused"], fused[f"{m}:unfused"] = spec, linear[m], False
     modes = list(specs)  # checked before any model loads
     lengths = [int(x) for x in args.lengths.split(",")]
     canonical = load(args.canonical, dtype=torch.float32)
@@ -161,7 +169,7 @@ def main() -> None:
                    for c, n in zip(contexts, lengths)]
         from cagkv.translate import find_translator, load_translator
 
-        def engine_for(path: str | None, linear_path: tuple | None) -> CAG:
+        def engine_for(path: str | None, linear_path: tuple | None, fuse: bool) -> CAG:
             path = path or args.translator
 
             def finder(src: str, tgt: str):
@@ -170,13 +178,15 @@ def main() -> None:
                     tr.set_linear_path(*linear_path)
                 return tr
 
-            return CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
+            engine = CAG(store, canonical=args.canonical, dtype=args.dtype, find_translator=finder)
+            engine.fuse_feed = fuse
+            return engine
 
-        engines = {key: engine_for(*key) for key in {(spec[3], linear[m]) for m, spec in specs.items()}}
+        engines = {key: engine_for(*key) for key in {(spec[3], linear[m], fused[m]) for m, spec in specs.items()}}
 
         def run(m: str, doc: str, top_k: int) -> dict[str, float]:
             _, mode, variant, path = specs[m]
-            return measure(engines[path, linear[m]], args.target, mode, variant, doc, top_k)
+            return measure(engines[path, linear[m], fused[m]], args.target, mode, variant, doc, top_k)
 
         for n, doc in zip(lengths, doc_ids):
             top_k = -(-n // args.chunk_tokens) + 1  # every chunk of the document

@@ -9,7 +9,9 @@
         assemble               target prefix (computed natively once per model) + blocks
                                rotated at their assembled positions, each followed by the
                                separator (computed natively) -> one HF cache
-      generate                 prefill the question suffix natively, greedy decode
+      generate                 prefill the question suffix natively, greedy decode; entries
+                               still to compute (separators, refreshed tokens) go in the
+                               same forward (`Prepared.stale`, `cagkv.refresh.feed`)
 
 Modes:
     canonical   the target is the canonical model; stored blocks are used as they are.
@@ -40,7 +42,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +50,7 @@ import torch
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
 from cagkv.prompt import PromptFormat
-from cagkv.refresh import DEFAULT_SCORING, SCORINGS
+from cagkv.refresh import DEFAULT_SCORING, SCORINGS, feed
 from cagkv.stores.records import ChunksChangedError
 
 if TYPE_CHECKING:
@@ -117,7 +119,10 @@ class Prepared:
     """Everything before the question suffix: the assembled cache and what built it.
 
     `cache` holds prefix + chunks (`next_position` tokens); `prompt_ids` (the question
-    suffix) are not in it yet. `generate` feeds them and decodes.
+    suffix) are not in it yet. `generate` feeds them and decodes. `stale` (position -> token
+    id) names cache entries not computed yet (placeholders of chunk separators, translated
+    tokens chosen for refresh): the forward that feeds `prompt_ids` computes them first
+    (`cagkv.refresh.feed`), so they cost no read of the weights of their own.
     """
 
     target: LoadedModel
@@ -131,6 +136,7 @@ class Prepared:
     context_tokens: int
     started: float  # perf_counter() when prepare began (first_token / total count from here)
     mode_reason: str = ""
+    stale: dict[int, int] = field(default_factory=dict)
 
 
 class AnswerStream:
@@ -162,7 +168,13 @@ class CAG:
         dtype: dtype the models answer in (float32 by default; bfloat16 is about 2x faster).
         find_translator: `(canonical_fp, target_fp) -> Translator | None`; defaults to
             `cagkv.translate.find_translator` when that exists.
+
+    `fuse_feed` (default True): chunk separators and refreshed tokens are computed in the
+    question's own forward, one read of the weights instead of two (docs/EXPERIMENTS.md E62);
+    False computes them in forwards of their own, as before (for side-by-side benchmarks).
     """
+
+    fuse_feed: bool = True
 
     def __init__(
         self,
@@ -303,17 +315,20 @@ class CAG:
             if mode in TRANSLATED:
                 blocks = self.translate(blocks, translator, target_model, replay, timings, window=mode == "mot-window")
 
+        stale: dict[int, int] = {}
         with _timer(timings, "prefill"):
             if mode == "native":
                 cache, n, pending = self.prefill_native(target_model, fmt, [h.text for h in in_context])
             else:
-                cache, n, pending, starts = self.assemble(target_model, fmt, blocks, keep_all=refresh > 0)
+                cache, n, pending, starts, stale = self.assemble(target_model, fmt, blocks, keep_all=refresh > 0)
         prompt_ids = pending + fmt.question_suffix_ids(question)
         if refresh and blocks:
             with _timer(timings, "replay"):
                 neutral_ids = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
-                self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
-                             refresh_scoring, stop_ids=fmt.stop_ids)
+                chosen = self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
+                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed)
+            if self.fuse_feed:
+                stale.update(chosen)
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
             target=target_model,
@@ -327,6 +342,7 @@ class CAG:
             context_tokens=context,
             started=started,
             mode_reason=reason,
+            stale=stale,
         )
 
     def generate(self, prepared: Prepared, max_new_tokens: int = 64) -> Answer:
@@ -409,19 +425,22 @@ class CAG:
 
     def assemble(
         self, target: LoadedModel, fmt: PromptFormat, blocks: Sequence[KVBlock], keep_all: bool = False
-    ) -> tuple[Any, int, list[int], list[int]]:
+    ) -> tuple[Any, int, list[int], list[int], dict[int, int]]:
         """The prefix cache, then each block rotated at its assembled position.
 
         Canonical blocks carry their separator's KV (see `cagkv.prefill`): no forward at
         all. A block without one (a translated block holds the chunk text's tokens only)
-        gets the separator computed natively after it, over everything before it; all such
-        separators are computed in one forward (`cagkv.refresh.refresh_tokens`: one pass
-        costs about what one separator's did on CPU, where reading the weights dominates),
-        and the last one is left pending, to go with the question suffix.
+        gets the separator computed natively after it, over everything before it. With
+        `fuse_feed` (and not `keep_all`) they are left as placeholders, returned as stale
+        entries for the question's forward to compute (`cagkv.refresh.feed`: one read of the
+        weights for both, which dominates a few tokens' cost on CPU); otherwise all of them
+        are computed here in one forward (`cagkv.refresh.refresh_tokens`). The last block's
+        separator is left pending, to go with the question suffix.
 
-        keep_all: sliding-window layers keep every token (what `refresh` needs).
+        keep_all: sliding-window layers keep every token (what `refresh` needs: its scoring
+        pass reads the separators, so they are computed here).
         Returns (cache, tokens in the cache, ids still to feed before the question, the
-        position each block starts at).
+        position each block starts at, stale entries: position -> token id).
         """
         from cagkv.models import append_kv
         from cagkv.models.cache import model_layout
@@ -452,11 +471,14 @@ class CAG:
         if keys:  # one copy per layer; keys rotate in fp32, then cast (bf16-exact)
             append_kv(cache, target.spec, torch.cat(keys, dim=2), torch.cat(values, dim=2),
                       torch.arange(first, n, dtype=torch.long), dtype=target.dtype)
+        gap_ids = sep * (len(gaps) // len(sep))
+        if gaps and self.fuse_feed and not keep_all:  # the question's forward computes them
+            return cache, n, pending, starts, dict(zip(gaps, gap_ids))
         if gaps:
-            refresh_tokens(target.model, cache, sep * (len(gaps) // len(sep)), gaps)
+            refresh_tokens(target.model, cache, gap_ids, gaps)
         if full and not keep_all:
             cache = model_layout(target.config, cache)
-        return cache, n, pending, starts
+        return cache, n, pending, starts, {}
 
     def prefill_native(
         self, target: LoadedModel, fmt: PromptFormat, chunk_texts: Sequence[str]
@@ -484,12 +506,13 @@ class CAG:
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
                 neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING,
-                stop_ids: Sequence[int] = ()) -> list[int]:
+                stop_ids: Sequence[int] = (), defer: bool = False) -> dict[int, int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
         position, block) that `prompt_ids` need most over `cache`, ranked by `scoring` (by
         default relative to what the question-agnostic `neutral_ids` attend to:
         `cagkv.refresh.score_positions`; "drafted" first drafts the answer's first tokens,
-        ending before `stop_ids`). Returns the refreshed positions."""
+        ending before `stop_ids`). Returns the chosen positions -> their token ids; with
+        `defer` they are only chosen, for the question's forward to recompute (`Prepared.stale`)."""
         from cagkv.refresh import draft_answer, refresh_tokens, score_positions, top_positions
 
         token_at: dict[int, int] = {}
@@ -499,8 +522,9 @@ class CAG:
         drafted = draft_answer(target.model, cache, n, prompt_ids, stop_ids=stop_ids) if scoring == "drafted" else []
         mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted)
         chosen = top_positions(mass, candidates, fraction)
-        refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
-        return chosen
+        if not defer:
+            refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
+        return {p: token_at[p] for p in chosen}
 
     def _prefix_entry(self, target: LoadedModel, fmt: PromptFormat) -> tuple[Any, int]:
         key = (target.fingerprint, str(target.dtype))
@@ -563,13 +587,15 @@ class CAG:
         timings = prepared.timings_ms
         fmt, target = prepared.fmt, prepared.target
         t0 = time.perf_counter()
-        out = _forward(target, prepared.prompt_ids, prepared.cache, prepared.next_position)
+        with torch.inference_mode():
+            cache, logits = feed(target.model, prepared.cache, prepared.next_position, prepared.prompt_ids,
+                                 prepared.stale)
         timings["prefill"] += (time.perf_counter() - t0) * 1000
         # the first token is the argmax of these logits: time to first token ends here
         timings["first_token"] = _ms_since(prepared.started)
         generated: list[int] = []
         text = ""
-        for piece, generated, text in _greedy(target, fmt, out, prepared, max_new_tokens):
+        for piece, generated, text in _greedy(target, fmt, cache, logits[-1], prepared, max_new_tokens):
             if piece:
                 yield piece
         timings["total"] = _ms_since(prepared.started)
@@ -593,13 +619,13 @@ def generate_text(loaded: LoadedModel, prompt_ids: Sequence[int], max_new_tokens
     fmt = PromptFormat(fmt.tokenizer, True, "", "", "", (), fmt.stop_ids)  # no newline stop
     out = _forward(loaded, list(prompt_ids), None, 0)
     prepared = Prepared(loaded, "none", out.cache, len(prompt_ids), [], [], {}, fmt, 0, 0.0)
-    for piece, _, _ in _greedy(loaded, fmt, out, prepared, max_new_tokens):
+    for piece, _, _ in _greedy(loaded, fmt, out.cache, out.logits[0, -1], prepared, max_new_tokens):
         if piece:
             yield piece
 
 
 def _greedy(
-    target: LoadedModel, fmt: PromptFormat, out: Any, prepared: Prepared, max_new_tokens: int
+    target: LoadedModel, fmt: PromptFormat, cache: Any, logits: torch.Tensor, prepared: Prepared, max_new_tokens: int
 ) -> Iterator[tuple[str, list[int], str]]:
     """Yields (new text piece, generated ids, text so far) per decoded token.
 
@@ -607,8 +633,7 @@ def _greedy(
     base-layout models stop at the end of their first answer line.
     """
     tokenizer = target.tokenizer
-    cache, position = out.cache, prepared.next_position + len(prepared.prompt_ids)
-    logits = out.logits[0, -1]
+    position = prepared.next_position + len(prepared.prompt_ids)
     generated: list[int] = []
     emitted = ""
     for _ in range(max_new_tokens):

@@ -31,7 +31,7 @@ from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, layer_types, run_layers
 
 __all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
-           "contrast", "pool", "draft_answer", "score_positions", "top_positions", "refresh_tokens"]
+           "contrast", "pool", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
@@ -200,6 +200,66 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
         raise ValueError(f"{len(token_ids)} tokens for {len(positions)} positions")
     if not positions:
         return
+    work, spans, _ = _recompute(model, cache, token_ids, positions, [])
+    count = len(positions)
+    for (first, total), layer, fresh in zip(spans, cache.layers, work.layers):
+        local = torch.as_tensor(list(positions), dtype=torch.long) - first  # every position is held: checked
+        layer.keys[:, :, local] = fresh.keys[:, :, total - first : total - first + count]
+        layer.values[:, :, local] = fresh.values[:, :, total - first : total - first + count]
+
+
+@torch.inference_mode()
+def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[int, int] | None = None,
+         keep: int = 1) -> tuple[Any, torch.Tensor]:
+    """Feed `ids` at positions `n..` after the `n` cached tokens; returns (the cache holding
+    `n + len(ids)` tokens, the logits `[keep, V]` of the last `keep` ids; all of them when 0).
+
+    `stale` (position -> token id, positions inside the cache) names entries whose keys and
+    values are placeholders or approximations: they are recomputed in the *same* forward as
+    `ids` (as `refresh_tokens` would, before), and `ids` attend to the recomputed entries.
+    One forward instead of two is one read of the weights instead of two, which is most of
+    the cost of a few tokens on a CPU. Without `stale` this is the model's own forward (which
+    extends `cache` in place); with it `cache` is left as it was and the returned cache holds
+    every token on every layer, in the layout the model builds for itself.
+    """
+    ids = list(ids)
+    if not ids:
+        raise ValueError("no tokens to feed")
+    if not stale:
+        positions = (n + torch.arange(len(ids)))[None]
+        out = model(input_ids=torch.tensor([ids]), cache=cache, position_ids=positions, use_cache=True,
+                    logits_to_keep=keep)
+        return out.cache, out.logits[0]
+    from cagkv.models.cache import full_cache, model_layout
+
+    order = sorted(stale)
+    work, spans, hidden = _recompute(model, cache, [stale[p] for p in order], order, ids, n)
+    count = len(order)
+    merged = full_cache()
+    local = torch.as_tensor(order, dtype=torch.long)
+    for i, ((first, total), fresh) in enumerate(zip(spans, work.layers)):
+        held = total - first
+        keys, values = fresh.keys, fresh.values  # new tensors (held + recomputed + fed): `cache` is not touched
+        keys[:, :, local - first] = keys[:, :, held : held + count].clone()
+        values[:, :, local - first] = values[:, :, held : held + count].clone()
+        merged.update(torch.cat([keys[:, :, :held], keys[:, :, held + count :]], dim=2),
+                      torch.cat([values[:, :, :held], values[:, :, held + count :]], dim=2), i)
+    inner = decoder_of(model)
+    tail = hidden[:, count:] if keep == 0 else hidden[:, -keep:]
+    logits = model.lm_head(inner.norm(tail))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return model_layout(inner.config, merged), logits[0]
+
+
+def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions: Sequence[int],
+               appended: Sequence[int], n: int | None = None) -> tuple[Any, list[tuple[int, int]], torch.Tensor]:
+    """One pass of `token_ids` at `positions` (inside `cache`) followed by `appended` at `n..`:
+    returns (a `full_copy` of the cache with their entries after the held ones, each layer's
+    (first, total) span held, the residual stream after the last layer `[1, T, E]`)."""
+    if len(token_ids) != len(positions):
+        raise ValueError(f"{len(token_ids)} tokens for {len(positions)} positions")
     pos = torch.as_tensor(list(positions), dtype=torch.long)
     if bool((pos[1:] <= pos[:-1]).any()):
         raise ValueError("positions must be strictly increasing")
@@ -212,8 +272,10 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
     spans = []
     for i, layer in enumerate(cache.layers):
         first, total = layer_span(cache, i)
-        if int(pos[-1]) >= total:
+        if len(pos) and int(pos[-1]) >= total:
             raise ValueError(f"position {int(pos[-1])} is not in the cache (layer {i} holds [{first}, {total}))")
+        if appended and total != n:
+            raise ValueError(f"feeding at position {n}, but layer {i} holds {total} tokens")
         reach = max(0, int(pos[0]) - window + 1) if window and types[i] == "sliding_attention" else 0
         if first > reach:  # a trimmed sliding layer: what the token attended to is gone
             raise ValueError(
@@ -221,18 +283,16 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
                 f"from {reach}: assemble the cache with full_cache() to refresh it"
             )
         spans.append((first, total))
-    work = full_copy(cache)  # never trims, so the fresh entries are the last len(pos) of every layer
+    queries = torch.cat([pos, (n or 0) + torch.arange(len(appended))])
+    work = full_copy(cache)  # never trims, so the fresh entries are the last len(queries) of every layer
     dtype = cache.layers[0].keys.dtype
     masks = {}
     for kind in set(types):
         first, total = spans[types.index(kind)]
         held = torch.arange(first, total)
-        key_positions = torch.cat([held, pos])
-        stale = torch.cat([torch.isin(held, pos), torch.zeros(len(pos), dtype=torch.bool)])
-        masks[kind] = _mask(key_positions, stale, pos, window if kind == "sliding_attention" else None, dtype)
-    hidden = model.get_input_embeddings()(torch.tensor([list(token_ids)]))
-    run_layers(model, hidden.to(dtype), pos[None], work, 0, masks=masks)
-    for (first, _), layer, fresh in zip(spans, cache.layers, work.layers):
-        local = pos - first  # every position is held: checked above
-        layer.keys[:, :, local] = fresh.keys[:, :, -len(pos):]
-        layer.values[:, :, local] = fresh.values[:, :, -len(pos):]
+        key_positions = torch.cat([held, queries])
+        stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool)])
+        masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
+    hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]]))
+    hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
+    return work, spans, hidden

@@ -333,16 +333,17 @@ def answer_ids(tokenizer: Any, prompt_ids: Sequence[int], answer: str) -> list[i
 
 
 def continuation_logits(prepared: Any, ids: Sequence[int]) -> torch.Tensor:
-    """Logits [T, V] of the target over `ids` placed after a copy of the prepared cache."""
+    """Logits [T, V] of the target over `ids` placed after a copy of the prepared cache
+    (its stale entries computed in the same forward, as `generate` does)."""
     import torch
 
-    model = prepared.target.model
+    from cagkv.refresh import feed
+
     cache = copy.deepcopy(prepared.cache)  # generate() will mutate the original
-    input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
-    positions = prepared.next_position + torch.arange(len(ids)).unsqueeze(0)  # [1, T]
     with torch.inference_mode():
-        out = model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True)
-    return out.logits[0].float()  # [T, V]
+        _, logits = feed(prepared.target.model, cache, prepared.next_position, ids,
+                         getattr(prepared, "stale", None), keep=0)
+    return logits.float()  # [T, V]
 
 
 def answer_logprob(prepared: Any, answer: str) -> float:

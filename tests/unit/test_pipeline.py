@@ -7,6 +7,8 @@ ids, so greedy answers are the identical tokens and next-token logits agree.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from engine_helpers import make_model_dir
@@ -178,32 +180,45 @@ def test_translate_hook_with_a_perfect_translator_equals_native(tmp_path, models
 
 
 @pytest.mark.parametrize("target", ["qwen2", "gemma"])
-def test_separators_in_one_forward_equal_one_forward_each(tmp_path, models, target):
-    """assemble computes every separator between translated blocks in one pass; the cache is
-    the one a forward per separator builds (Gemma: 3 chunks overflow its sliding window of 8)."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_separators_computed_once_equal_one_forward_each(tmp_path, models, target, fuse):
+    """Every separator between translated blocks is computed in one pass: the question's own
+    forward (`fuse_feed`) or a pass of their own; the answer's logits and the cache are those
+    a forward per separator, then the question's, builds (Gemma: 3 chunks overflow its
+    sliding window of 8)."""
     from cagkv.models import append_kv
     from cagkv.pipeline import _forward
+    from cagkv.refresh import feed
 
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     translator = PrefillTranslator(with_separator=False)
     cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    cag.fuse_feed = fuse
     prepared = cag.prepare("Why did ships pass safely?", target=models[target], mode="translate", top_k=3)
     loaded = cag.model(models[target])
     fmt = PromptFormat.for_model(loaded)
     blocks = [translator.translate(cag.store.load_blocks([s.chunk])[0], loaded) for s in prepared.sources[::-1]]
     assert len(blocks) == 3
     cache, n = cag.prefix_cache(loaded, fmt)
+    gaps = []
     for i, block in enumerate(blocks):  # the reference: one forward per separator
         append_kv(cache, loaded.spec, block.keys, block.values, torch.arange(n, n + block.num_tokens))
         n += block.num_tokens
         if i < len(blocks) - 1:
             cache = _forward(loaded, fmt.separator_ids(), cache, n).cache
+            gaps += range(n, n + len(fmt.separator_ids()))
             n += len(fmt.separator_ids())
     assert n == prepared.next_position and prepared.prompt_ids[: len(fmt.separator_ids())] == fmt.separator_ids()
-    for got, want in zip(prepared.cache.layers, cache.layers):
-        assert got.keys.shape == want.keys.shape and got.get_seq_length() == want.get_seq_length()
-        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+    assert prepared.stale == ({p: t for p, t in zip(gaps, fmt.separator_ids() * 2)} if fuse else {})
+    want = _forward(loaded, prepared.prompt_ids, cache, n)
+    got_cache, got = feed(loaded.model, copy.deepcopy(prepared.cache), n, prepared.prompt_ids, prepared.stale)
+    torch.testing.assert_close(got[-1], want.logits[0, -1], atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(got_cache.layers, want.cache.layers):
+        assert mine.keys.shape == theirs.keys.shape and mine.get_seq_length() == theirs.get_seq_length()
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+    answer = cag.generate(prepared, max_new_tokens=4)
+    assert answer.tokens["prompt"] == n + len(prepared.prompt_ids)
 
 
 class NoiseTranslator(PrefillTranslator):
@@ -259,25 +274,16 @@ def test_the_cards_default_refresh_applies_when_none_is_asked(tmp_path, models):
     assert cag.prepare(q, target=models["qwen2"], mode="native", top_k=1).timings_ms["replay"] == 0
 
 
-def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, models, monkeypatch):
-    import cagkv.refresh
-
+def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, models):
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
-    real, seen = cagkv.refresh.refresh_tokens, []
-
-    def spy(model, cache, token_ids, positions):
-        seen.append((list(token_ids), list(positions)))
-        return real(model, cache, token_ids, positions)
-
-    monkeypatch.setattr(cagkv.refresh, "refresh_tokens", spy)
     prepared = cag.prepare("Why did ships pass safely?", target=models["qwen2"], mode="translate", top_k=3,
                            refresh=0.25)  # fmt: skip
     blocks = [cag.store.load_blocks([s.chunk])[0] for s in prepared.sources]  # best first
     loaded = cag.model(models["qwen2"])
     ids = [PromptFormat.for_model(loaded).chunk_ids(b.text) for b in blocks]
     prefix = len(PromptFormat.for_model(loaded).context_prefix_ids())
-    token_ids, positions = seen[-1]
+    positions, token_ids = zip(*sorted(prepared.stale.items()))  # the question's forward recomputes them
     assert len(positions) == round(0.25 * sum(map(len, ids)))
     # blocks sit best chunk last, each followed by the separator; only their tokens are chosen
     sep, at, allowed = len(PromptFormat.for_model(loaded).separator_ids()), prefix, {}
@@ -293,29 +299,51 @@ def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, m
         cag.prepare("q?", target=models["qwen2"], mode="translate", refresh=0.5, refresh_scoring="loud")
 
 
+@pytest.mark.parametrize("target", ["qwen2", "gemma"])
+def test_refresh_in_the_questions_forward_equals_refreshing_first(tmp_path, models, target):
+    """`fuse_feed` recomputes the chosen tokens in the question's own forward: the same choice,
+    the same answer logits and the same cache as refreshing them in a pass of their own."""
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    q = "Why did ships pass safely?"
+    results = []
+    for fuse in (True, False):  # an engine each: the noise translator's draws follow its calls
+        cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
+        cag.fuse_feed = fuse
+        prepared = cag.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.4)
+        results.append((prepared, _next_token_logits(cag, prepared)))
+    (fused, fused_logits), (first, first_logits) = results
+    assert len(fused.stale) == round(0.4 * (fused.context_tokens - 2 * len(fused.fmt.separator_ids()))) > 0
+    assert first.stale == {}
+    torch.testing.assert_close(fused_logits, first_logits, atol=1e-4, rtol=1e-4)
+    from cagkv.refresh import feed
+
+    fed = [feed(p.target.model, copy.deepcopy(p.cache), p.next_position, p.prompt_ids, p.stale)[0] for p in (fused, first)]
+    for mine, theirs in zip(fed[0].layers, fed[1].layers):  # the fused cache in the model's layout (a window)
+        held = mine.keys.shape[2]
+        torch.testing.assert_close(mine.keys, theirs.keys[:, :, -held:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values[:, :, -held:], atol=1e-5, rtol=1e-5)
+    answers = [cag.generate(p, max_new_tokens=6) for p in (fused, first)]  # the engine's model: shared
+    assert answers[0].token_ids == answers[1].token_ids
+
+
 def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share(tmp_path, models, monkeypatch):
     import cagkv.refresh
 
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
-    real_attention, real_refresh, passes, refreshed = cagkv.refresh.prompt_attention, cagkv.refresh.refresh_tokens, [], []
+    real_attention, passes = cagkv.refresh.prompt_attention, []
 
     def attention(model, cache, n, prompts):
         passes.append([list(p) for p in prompts])
         return real_attention(model, cache, n, prompts)
 
-    def refresh(model, cache, token_ids, positions):
-        refreshed.append(list(positions))
-        return real_refresh(model, cache, token_ids, positions)
-
     monkeypatch.setattr(cagkv.refresh, "prompt_attention", attention)
-    monkeypatch.setattr(cagkv.refresh, "refresh_tokens", refresh)
     chosen = []
     question = "Why did ships pass safely?"
     for scoring in ("attention", "contrast", "pooled", "averaged", "drafted"):
-        cag.prepare(question, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
-                    refresh_scoring=scoring)  # fmt: skip
-        chosen.append(refreshed[-1])  # the call before it computed the chunk separators
+        prepared = cag.prepare(question, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
+                               refresh_scoring=scoring)  # fmt: skip
+        chosen.append(sorted(prepared.stale))  # left for the question's forward to recompute
     fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
     # attention: one pass of the question; contrast and pooled: one pass of the question and the
     # first neutral prompt; averaged: one pass of the question and every neutral prompt

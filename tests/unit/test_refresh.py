@@ -10,8 +10,8 @@ import torch
 from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
-from cagkv.refresh import (contrast, draft_answer, pool, prompt_attention, question_attention, refresh_tokens,
-                           top_positions)
+from cagkv.refresh import (contrast, draft_answer, feed, pool, prompt_attention, question_attention,
+                           refresh_tokens, top_positions)
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -44,6 +44,55 @@ def test_refreshing_corrupted_tokens_gives_back_the_native_cache(family: str, po
     for got, want in zip(cache.layers, native.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_feed_recomputes_stale_entries_in_the_prompts_forward(family: str) -> None:
+    # 20 cached tokens, 6 of them corrupted, then a 5-token prompt: one forward must give the
+    # logits and cache of refreshing first and feeding the prompt after (Gemma-3: window 8)
+    from transformers import DynamicCache
+
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(3))
+    native = _native(lm.model, ids[:, :20])
+    stale = {p: int(ids[0, p]) for p in (0, 3, 4, 9, 15, 19)}
+    cache = copy.deepcopy(native)
+    _corrupt(cache, sorted(stale))
+    before = [layer.keys.clone() for layer in cache.layers]
+    prompt = ids[0, 20:].tolist()
+    got_cache, got = feed(lm.model, cache, 20, prompt, stale, keep=0)
+    assert all(torch.equal(b, layer.keys) for b, layer in zip(before, cache.layers))  # left as it was
+    with torch.no_grad():
+        want_cache = DynamicCache(config=lm.config)
+        want = lm.model(input_ids=ids, cache=want_cache, use_cache=True).logits[0, 20:]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(got_cache.layers, want_cache.layers):
+        assert mine.keys.shape == theirs.keys.shape and mine.get_seq_length() == theirs.get_seq_length() == 25
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+    # the last logits only, and decoding goes on from the returned cache as from the model's own
+    _, last = feed(lm.model, copy.deepcopy(cache), 20, prompt, stale)
+    torch.testing.assert_close(last, want[-1:], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        step = lm.model(input_ids=torch.tensor([[7]]), cache=got_cache, position_ids=torch.tensor([[25]]),
+                        use_cache=True).logits[0, -1]
+        again = lm.model(input_ids=torch.cat([ids, torch.tensor([[7]])], dim=1)).logits[0, -1]
+    torch.testing.assert_close(step, again, atol=1e-4, rtol=1e-4)
+
+
+def test_feed_without_stale_entries_is_the_models_forward_and_checks_its_input() -> None:
+    lm = tiny("llama")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    cache = _native(lm.model, ids[:, :8])
+    _, got = feed(lm.model, cache, 8, ids[0, 8:].tolist(), {}, keep=0)
+    with torch.no_grad():
+        want = lm.model(input_ids=ids).logits[0, 8:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no tokens"):
+        feed(lm.model, cache, 12, [], {3: 5})
+    with pytest.raises(ValueError, match="feeding at position 10"):
+        feed(lm.model, _native(lm.model, ids[:, :8]), 10, [5], {3: 5})
 
 
 def test_refresh_refuses_a_trimmed_sliding_window_cache() -> None:
