@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
 TRANSLATED = ("translate", "mot-window")
+FUSE_FEED_ENV = "CAGKV_FUSE_FEED"  # 0: separators and refreshed tokens in forwards of their own (E62)
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
 # question-agnostic prompts that refresh scoring measures the question's attention against: "contrast"
 # uses the first, "averaged" all (cagkv.refresh.score_positions; fixed before E49 ran)
@@ -169,12 +171,11 @@ class CAG:
         find_translator: `(canonical_fp, target_fp) -> Translator | None`; defaults to
             `cagkv.translate.find_translator` when that exists.
 
-    `fuse_feed` (default True): chunk separators and refreshed tokens are computed in the
-    question's own forward, one read of the weights instead of two (docs/EXPERIMENTS.md E62);
-    False computes them in forwards of their own, as before (for side-by-side benchmarks).
+    `fuse_feed` (default True; `CAGKV_FUSE_FEED=0` sets False): chunk separators and
+    refreshed tokens are computed in the question's own forward, one read of the weights
+    instead of two (docs/EXPERIMENTS.md E62); False computes them in forwards of their own,
+    as before (for side-by-side checks).
     """
-
-    fuse_feed: bool = True
 
     def __init__(
         self,
@@ -192,6 +193,7 @@ class CAG:
         self._prefixes: dict[tuple[str, str], tuple[Any, int]] = {}
         self._translators: dict[tuple[str, str], Any] = {}  # loaded once per (canonical, target)
         self._tokenizer_checked = False  # the store's canonical tokenizer hash, checked once
+        self.fuse_feed = os.environ.get(FUSE_FEED_ENV, "1").strip() not in ("0", "false", "no")
 
     @classmethod
     def open(cls, path: str | None = None, db_url: str | None = None, **kwargs: Any) -> CAG:

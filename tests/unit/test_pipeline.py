@@ -300,15 +300,16 @@ def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, m
 
 
 @pytest.mark.parametrize("target", ["qwen2", "gemma"])
-def test_refresh_in_the_questions_forward_equals_refreshing_first(tmp_path, models, target):
+def test_refresh_in_the_questions_forward_equals_refreshing_first(tmp_path, models, target, monkeypatch):
     """`fuse_feed` recomputes the chosen tokens in the question's own forward: the same choice,
     the same answer logits and the same cache as refreshing them in a pass of their own."""
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     q = "Why did ships pass safely?"
     results = []
     for fuse in (True, False):  # an engine each: the noise translator's draws follow its calls
+        monkeypatch.setenv("CAGKV_FUSE_FEED", "1" if fuse else "0")
         cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
-        cag.fuse_feed = fuse
+        assert cag.fuse_feed is fuse
         prepared = cag.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.4)
         results.append((prepared, _next_token_logits(cag, prepared)))
     (fused, fused_logits), (first, first_logits) = results
