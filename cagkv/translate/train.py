@@ -80,6 +80,8 @@ class TrainConfig:
     key_weight: float = 0.0  # e2e: weight of the attention KL of native queries over translated vs native keys
     key_logit_weight: float = 0.0  # e2e: weight of the dense attention-logit error of every chunk key (E35)
     answer_weight: float = 1.0  # e2e KL: the answer tokens' share, against 1 for the document-changed tokens
+    refresh_mix: float = 0.0  # e2e: this share of each chunk's tokens (drawn per step) gets native K/V in the
+    # Context Correction cache, as question-time refresh leaves them; the loss reaches the rest only (E63)
     topk: int = 32
     eval_samples: int = 10
     log_every: int = 10
@@ -150,6 +152,7 @@ class Trainer:
         self.mot = mot if mot is not None else MoTTranslator(make_mot_config(source, target, cfg))
         self.log = log or (lambda rec: None)
         self.rng = random.Random(cfg.seed)
+        self._mix_rng = random.Random(cfg.seed + 1)  # refresh_mix's draws leave the records' draws as they were
         self.P = int(pairs.prefix_ids.numel())
         self.t_start = time.time()
         self.replay = 0  # > 0: translate_batch recomputes the top `replay` layers (replay heads)
@@ -337,11 +340,23 @@ class Trainer:
             self._key_logit_w = w
         return self._key_logit_w
 
-    def native_keys(self, bt: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The batch's native keys `bt["tk"]` in the layout of translated keys `[B, L, H, T, D]`."""
+    def native_keys(self, bt: dict[str, torch.Tensor], name: str = "tk") -> torch.Tensor:
+        """The batch's native keys `bt["tk"]` (values: `name="tv"`) in the layout of translated keys `[B, L, H, T, D]`."""
         cfg = self.mot.cfg
-        b, n_layers, t, _ = bt["tk"].shape
-        return bt["tk"].reshape(b, n_layers, t, cfg.tgt_kv_heads, cfg.tgt_head_dim).transpose(2, 3)
+        b, n_layers, t, _ = bt[name].shape
+        return bt[name].reshape(b, n_layers, t, cfg.tgt_kv_heads, cfg.tgt_head_dim).transpose(2, 3)
+
+    def mix_native(self, keys: torch.Tensor, values: torch.Tensor, bt: dict[str, torch.Tensor],
+                   share: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[B, L, H, T, D]` with `round(share * n)` random real tokens of each chunk
+        (every layer) replaced by their native ones, as refresh would leave them: no gradient reaches those."""
+        picked = torch.zeros(bt["mask"].shape, dtype=torch.bool)  # [B, T]
+        for i, n in enumerate(bt["lengths"].tolist()):
+            chosen = self._mix_rng.sample(range(n), round(share * n))
+            picked[i, chosen] = True
+        where = picked[:, None, None, :, None]
+        return (torch.where(where, self.native_keys(bt), keys),
+                torch.where(where, self.native_keys(bt, "tv"), values))
 
     def key_logit_errors(self, keys: torch.Tensor, bt: dict[str, torch.Tensor],
                          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,7 +435,10 @@ class Trainer:
                 j = self.rng.randrange(len(rec["kinds"]))
                 bt = self.batch([rec])
                 keys, values, out = self.translate_batch(bt)
-                kl = self.e2e_loss(keys, values, rec, 0, j)
+                if self.cfg.refresh_mix > 0:
+                    kl = self.e2e_loss(*self.mix_native(keys, values, bt, self.cfg.refresh_mix), rec, 0, j)
+                else:
+                    kl = self.e2e_loss(keys, values, rec, 0, j)
                 reg = self.regression_loss(keys, values, bt) if anchor else kl.new_zeros(())
                 total = kl + self.cfg.anchor_weight * reg + self.cfg.aux_weight * out.aux_loss
                 if anchor and self.cfg.key_weight > 0:

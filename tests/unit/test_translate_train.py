@@ -123,6 +123,33 @@ def test_answer_weight_moves_the_e2e_loss_toward_the_answer_tokens(pairs: PairSe
     assert abs(four - only) < abs(default - only)  # a larger weight: closer to the answer-only KL
 
 
+def test_refresh_mix_gives_a_share_of_tokens_native_kv_and_no_gradient(pairs: PairSet) -> None:
+    tr = _trainer(pairs, refresh_mix=0.4)
+    rec = next(r for r in pairs if r["kinds"])
+    bt = tr.batch([rec])
+    keys, values, _ = tr.translate_batch(bt)
+    n = int(bt["lengths"][0])
+    mk, mv = tr.mix_native(keys, values, bt, 0.4)
+    native_k, native_v = tr.native_keys(bt), tr.native_keys(bt, "tv")
+    same = (mk == native_k).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))  # [T]: native on every layer
+    assert int(same[:n].sum()) == round(0.4 * n)
+    picked = same.nonzero().flatten()
+    assert torch.equal(mv[:, :, :, picked], native_v[:, :, :, picked])
+    kept = (~same).nonzero().flatten()
+    assert torch.equal(mk[:, :, :, kept], keys[:, :, :, kept]) and torch.equal(mv[:, :, :, kept], values[:, :, :, kept])
+    (mk.sum() + mv.sum()).backward()
+    grad = next(p for p in tr.mot.parameters() if p.grad is not None)
+    assert grad is not None
+    # a full mix leaves the Context Correction loss nothing to reach: the translator gets no gradient from it
+    tr.mot.zero_grad(set_to_none=True)
+    keys, values, _ = tr.translate_batch(bt)
+    tr.e2e_loss(*tr.mix_native(keys, values, bt, 1.0), rec, 0, 0).backward()
+    assert all(p.grad is None or not p.grad.any() for p in tr.mot.parameters())
+    # the records drawn for training do not depend on the mix
+    plain = _trainer(pairs)
+    assert [tr.rng.random() for _ in range(3)] == [plain.rng.random() for _ in range(3)]
+
+
 def test_evaluate_reports_metrics(pairs: PairSet) -> None:
     tr = _trainer(pairs)
     m = tr.evaluate()
