@@ -52,7 +52,8 @@ def run(tokens: int, d: int, h: int, grid: list[tuple[int, int]], impls: list[st
             ref = fns["dense"]()
             for impl in impls:  # warm-up + agreement check
                 err = float((fns[impl]() - ref).abs().max())
-                assert err < 1e-2 * max(1.0, float(ref.abs().max())), (impl, err)
+                tol = 1e-2 if dtype == torch.float32 else 5e-2  # bfloat16: a few of its 8-bit ulps
+                assert err < tol * max(1.0, float(ref.abs().max())), (impl, err)
             times: dict[str, list[float]] = {impl: [] for impl in impls}
             for _ in range(repeats):
                 for impl in impls:

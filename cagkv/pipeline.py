@@ -461,8 +461,8 @@ class CAG:
         for block in blocks:
             if pending:  # the previous block's separator: a placeholder for now
                 shape = (*block.keys.shape[:2], len(pending), block.keys.shape[3])
-                keys.append(torch.zeros(shape, dtype=block.keys.dtype))
-                values.append(torch.zeros(shape, dtype=block.values.dtype))
+                keys.append(block.keys.new_zeros(shape))
+                values.append(block.values.new_zeros(shape))
                 gaps += range(n, n + len(pending))
                 n += len(pending)
             starts.append(n)
@@ -472,7 +472,7 @@ class CAG:
             pending = [] if _has_separator(block, sep) else list(sep)
         if keys:  # one copy per layer; keys rotate in fp32, then cast (bf16-exact)
             append_kv(cache, target.spec, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                      torch.arange(first, n, dtype=torch.long), dtype=target.dtype)
+                      torch.arange(first, n, dtype=torch.long, device=target.device), dtype=target.dtype)
         gap_ids = sep * (len(gaps) // len(sep))
         if gaps and self.fuse_feed and not keep_all:  # the question's forward computes them
             return cache, n, pending, starts, dict(zip(gaps, gap_ids))
@@ -663,8 +663,9 @@ def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int) ->
     """One forward of `ids` at positions start.. into `cache` (a new one when None)."""
     if not ids:
         raise UsageError("empty prompt")
-    input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
-    positions = torch.arange(start, start + len(ids), dtype=torch.long)[None]  # [1, T]
+    device = loaded.device
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # [1, T]
+    positions = torch.arange(start, start + len(ids), dtype=torch.long, device=device)[None]  # [1, T]
     kwargs: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1, "position_ids": positions}
     if cache is not None:
         kwargs["cache"] = cache

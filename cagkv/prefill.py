@@ -107,7 +107,7 @@ def _prefill_batch(
     """Forward prefix + chunk for each row; returns per-row keys/values `[L, H, Tmax, D]`."""
     p, tmax = len(prefix), max(len(c) for c in chunks)
     pad = _pad_id(loaded)
-    ids = torch.tensor([prefix + c + [pad] * (tmax - len(c)) for c in chunks])  # [B, P+Tmax]
+    ids = torch.tensor([prefix + c + [pad] * (tmax - len(c)) for c in chunks], device=loaded.device)  # [B, P+Tmax]
     # full_cache(): sliding-window layers keep every token too, so long chunks survive
     out = loaded.model(input_ids=ids, cache=full_cache(), use_cache=True, logits_to_keep=1)
     spec = loaded.spec
@@ -115,7 +115,7 @@ def _prefill_batch(
     assert all(layer.keys.shape[2] == p + tmax for layer in layers), "a layer dropped tokens"
     keys = torch.stack([layer.keys for layer in layers])[:, :, :, p:]  # [L, B, H, Tmax, D]
     values = torch.stack([layer.values for layer in layers])[:, :, :, p:]
-    positions = torch.arange(p, p + tmax, dtype=torch.long)  # [Tmax]
+    positions = torch.arange(p, p + tmax, dtype=torch.long, device=ids.device)  # [Tmax]
     dtype = keys.dtype
     if not spec.learned_positions:
         keys = unrotate_layers(keys, positions, spec.rope, out_dtype=torch.float32).to(dtype)  # fp32 math

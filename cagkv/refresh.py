@@ -203,7 +203,7 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
     work, spans, _ = _recompute(model, cache, token_ids, positions, [])
     count = len(positions)
     for (first, total), layer, fresh in zip(spans, cache.layers, work.layers):
-        local = torch.as_tensor(list(positions), dtype=torch.long) - first  # every position is held: checked
+        local = torch.as_tensor(list(positions), dtype=torch.long, device=layer.keys.device) - first  # every position is held: checked
         layer.keys[:, :, local] = fresh.keys[:, :, total - first : total - first + count]
         layer.values[:, :, local] = fresh.values[:, :, total - first : total - first + count]
 
@@ -226,8 +226,9 @@ def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[i
     if not ids:
         raise ValueError("no tokens to feed")
     if not stale:
-        positions = (n + torch.arange(len(ids)))[None]
-        out = model(input_ids=torch.tensor([ids]), cache=cache, position_ids=positions, use_cache=True,
+        device = next(model.parameters()).device
+        positions = (n + torch.arange(len(ids), device=device))[None]
+        out = model(input_ids=torch.tensor([ids], device=device), cache=cache, position_ids=positions, use_cache=True,
                     logits_to_keep=keep)
         return out.cache, out.logits[0]
     from cagkv.models.cache import full_cache, model_layout
@@ -236,7 +237,7 @@ def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[i
     work, spans, hidden = _recompute(model, cache, [stale[p] for p in order], order, ids, n)
     count = len(order)
     merged = full_cache()
-    local = torch.as_tensor(order, dtype=torch.long)
+    local = torch.as_tensor(order, dtype=torch.long, device=hidden.device)
     for i, ((first, total), fresh) in enumerate(zip(spans, work.layers)):
         held = total - first
         keys, values = fresh.keys, fresh.values  # new tensors (held + recomputed + fed): `cache` is not touched
@@ -285,14 +286,15 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
         spans.append((first, total))
     queries = torch.cat([pos, (n or 0) + torch.arange(len(appended))])
     work = full_copy(cache)  # never trims, so the fresh entries are the last len(queries) of every layer
-    dtype = cache.layers[0].keys.dtype
+    dtype, device = cache.layers[0].keys.dtype, cache.layers[0].keys.device
     masks = {}
     for kind in set(types):
         first, total = spans[types.index(kind)]
         held = torch.arange(first, total)
         key_positions = torch.cat([held, queries])
         stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool)])
-        masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
-    hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]]))
-    hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
+        masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None,
+                            dtype).to(device)
+    hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]], device=device))
+    hidden = run_layers(model, hidden.to(dtype), queries[None].to(device), work, 0, masks=masks)
     return work, spans, hidden

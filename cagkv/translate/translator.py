@@ -86,29 +86,71 @@ class TranslateInputs:
         self.ids = ids  # [B, T] target ids (0 where padded)
         self.offsets = offsets  # per block [T_b, 2]
         self.lengths = lengths
-        self.mask = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+        self.mask = (torch.arange(ids.shape[1], device=ids.device)[None, :]
+                     < torch.tensor(lengths, device=ids.device)[:, None])  # [B, T]
 
 
 def prepare_inputs(
     mot: MoTTranslator, src_blocks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    tgt_tokens: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    tgt_tokens: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str = "cpu",
+    batched: bool | None = None,
 ) -> TranslateInputs:
-    """Align each source block `(keys, values, offsets)` onto its target tokens `(ids, offsets)`."""
+    """Align each source block `(keys, values, offsets)` onto its target tokens `(ids, offsets)`,
+    on `device`. On the CPU block by block (a sparse product each); elsewhere (or `batched`)
+    every block at once: the blocks are moved there (half the bytes of the aligned features)
+    and pooled in one gather, a few kernels whatever the number of blocks, where a GPU would
+    otherwise spend its time launching per-block ones."""
+    device = torch.device(device)
+    batched = device.type != "cpu" if batched is None else batched
     used = mot.cfg.used_src
     lengths = [int(t_ids.shape[0]) for t_ids, _ in tgt_tokens]
     t_max = max(lengths, default=0)
     width = len(used) * 2 * mot.cfg.src_kv_dim
-    src = torch.empty(len(lengths), t_max, width)  # padding zeroed below, not the whole batch
     ids = torch.zeros(len(lengths), t_max, dtype=torch.int64)
-    for i, ((k, v, s_off), (t_ids, t_off)) in enumerate(zip(src_blocks, tgt_tokens)):
-        n = lengths[i]
-        w = align_tokens(s_off, t_off)  # [T, S], 1-3 non-zeros per row: a sparse product
+    for i, (t_ids, _) in enumerate(tgt_tokens):
+        ids[i, : lengths[i]] = t_ids
+    weights = [align_tokens(s_off, t_off) for (_, _, s_off), (_, t_off) in zip(src_blocks, tgt_tokens)]  # [T, S] each
+    offsets = [t_off for _, t_off in tgt_tokens]
+    if not batched:
+        src = torch.empty(len(lengths), t_max, width, device=device)  # padding zeroed below, not the whole batch
+        for i, ((k, v, _), w) in enumerate(zip(src_blocks, weights)):
+            pool_features(w, source_features(k.to(device), v.to(device), used), src[i, : lengths[i]],
+                          sparse=device.type == "cpu")
+            src[i, lengths[i] :] = 0
+        return TranslateInputs(src, ids.to(device), offsets, lengths)
+    rows, cols, shares, s_at = [], [], [], 0
+    for i, w in enumerate(weights):  # one block-diagonal alignment over the padded batch
+        r, c = w.nonzero(as_tuple=True)
+        rows.append(r + i * t_max)
+        cols.append(c + s_at)
+        shares.append(w[r, c])
+        s_at += w.shape[1]
+    keys = torch.cat([k for k, _, _ in src_blocks], dim=2).to(device)  # [Ls, H, S_all, D]
+    values = torch.cat([v for _, v, _ in src_blocks], dim=2).to(device)
+    src = torch.zeros(len(lengths) * t_max, width, device=device)
+    gather_pool(torch.cat(rows).to(device), torch.cat(cols).to(device), torch.cat(shares).to(device),
+                source_features(keys, values, used), src)
+    return TranslateInputs(src.view(len(lengths), t_max, width), ids.to(device), offsets, lengths)
+
+
+def pool_features(w: torch.Tensor, feats: torch.Tensor, out: torch.Tensor, sparse: bool = True) -> None:
+    """`out[T, F] = w[T, S] @ feats[S, F]` for alignment weights with 1-3 non-zeros per row:
+    a sparse product, or (`sparse=False`) the same sum as `gather_pool`."""
+    if sparse:
         with warnings.catch_warnings():  # "sparse CSR support is in beta"; mm on it is long stable
             warnings.simplefilter("ignore", UserWarning)
-            torch.mm(w.to_sparse_csr(), source_features(k, v, used), out=src[i, :n])
-        src[i, n:] = 0
-        ids[i, :n] = t_ids
-    return TranslateInputs(src, ids, [t_off for _, t_off in tgt_tokens], lengths)
+            torch.mm(w.to_sparse_csr(), feats, out=out)
+        return
+    rows, cols = w.nonzero(as_tuple=True)
+    out.zero_()
+    gather_pool(rows, cols, w[rows, cols], feats, out)
+
+
+def gather_pool(rows: torch.Tensor, cols: torch.Tensor, shares: torch.Tensor, feats: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """`out[rows] += shares * feats[cols]`: a sparse product as one gather and one index_add
+    (plain kernels on any device)."""
+    out.index_add_(0, rows, feats.index_select(0, cols) * shares[:, None])
 
 
 def assemble_kv(
@@ -234,7 +276,9 @@ class Translator:
         empty = [i for i, (ids, _) in enumerate(tgt_tokens) if ids.numel() == 0 or blocks[i].num_tokens == 0]
         if empty:
             raise TranslatorError(f"cannot translate an empty chunk (block {empty[0]})")
-        inputs = prepare_inputs(self.model, [(b.keys, b.values, b.offsets) for b in blocks], tgt_tokens)
+        self._follow(target.device)
+        inputs = prepare_inputs(self.model, [(b.keys, b.values, b.offsets) for b in blocks], tgt_tokens,
+                                device=target.device)
         ts = TargetSide(target.model)
         dtype = next(target.model.parameters()).dtype
         emb = ts.embed(inputs.ids).float()
@@ -274,6 +318,13 @@ class Translator:
         if self._uses_folded():
             self._folded(target, TargetSide(target.model))
 
+    def _follow(self, device: torch.device) -> None:
+        """Move the network to the target's device (and drop a folded form built elsewhere)."""
+        if next(self.model.parameters()).device != device:
+            self.model.to(device)
+            self._folded_mot, self._folded_for = None, None
+            self._prefixes.clear()
+
     def _uses_folded(self) -> bool:
         return self.folded and FoldedMoT.supports(self.model)
 
@@ -294,7 +345,7 @@ class Translator:
             ids = PromptFormat.for_model(target).context_prefix_ids()
             cache = full_cache()
             if ids:
-                target.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+                target.model(input_ids=torch.tensor([ids], device=target.device), cache=cache, use_cache=True, logits_to_keep=1)
             self._prefixes[key] = (cache, len(ids))
         return self._prefixes[key]
 
@@ -310,7 +361,7 @@ class Translator:
         prefix, p = self._prefix(target)
         cache = copy.deepcopy(prefix)
         t = hidden.shape[1]
-        positions = torch.arange(p, p + t)
+        positions = torch.arange(p, p + t, device=hidden.device)
         given = {l: (rotate(keys[l], positions, target.spec.rope[l], out_dtype=keys.dtype)[None], values[l][None])
                  for l in inject}
         with inject_kv(cache, given):

@@ -135,3 +135,20 @@ def test_property_pooling_recovers_resegmented_features(pieces: list[str], data:
 def test_empty_source_rejected() -> None:
     with pytest.raises(ValueError, match="empty source"):
         align_tokens(torch.zeros(0, 2, dtype=torch.long), torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("text", _CORPUS[:4])
+def test_gathered_pooling_equals_the_sparse_product(text: str) -> None:
+    """`pool_features(sparse=False)` (what translation runs on a GPU) sums what the CPU's sparse product does."""
+    from cagkv.translate.translator import pool_features
+
+    bl, sp = _tokenizers()
+    _, src = token_offsets(bl, text)
+    _, tgt = token_offsets(sp, text)
+    w = align_tokens(src, tgt)
+    feats = torch.randn(w.shape[1], 7, generator=torch.Generator().manual_seed(0))
+    sparse, gathered = torch.full((w.shape[0], 7), float("nan")), torch.full((w.shape[0], 7), float("nan"))
+    pool_features(w, feats, sparse, sparse=True)
+    pool_features(w, feats, gathered, sparse=False)
+    torch.testing.assert_close(gathered, sparse)
+    torch.testing.assert_close(sparse, w @ feats)

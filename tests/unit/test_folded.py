@@ -123,3 +123,19 @@ def test_layer_streams_are_not_folded() -> None:
     assert not FoldedMoT.supports(mot)
     with pytest.raises(ValueError, match="layer_streams"):
         FoldedMoT(mot, TargetSide(tgt.model))
+
+
+def test_batched_alignment_equals_block_by_block() -> None:
+    """`prepare_inputs(batched=True)` (what runs on a GPU: one gather for every block) gives
+    the per-block sparse products' features, padding zeroed."""
+    src, tgt = tiny_model("llama", 3), tiny_model("gemma3", 4)
+    mot = random_translator(src, tgt)
+    texts = [CORPUS[0], CORPUS[1][:60], CORPUS[2][:25]]
+    blocks = [chunk_block(src, t) for t in texts]
+    tokens = [token_offsets(tgt.tokenizer, t) for t in texts]
+    parts = [(b.keys, b.values, b.offsets) for b in blocks]
+    want = prepare_inputs(mot, parts, tokens)
+    got = prepare_inputs(mot, parts, tokens, batched=True)
+    assert got.lengths == want.lengths and torch.equal(got.ids, want.ids) and torch.equal(got.mask, want.mask)
+    torch.testing.assert_close(got.src, want.src, rtol=1e-6, atol=1e-6)
+    assert float(want.src[1, want.lengths[1]:].abs().sum()) == 0.0
