@@ -108,7 +108,7 @@ def first_token_native(engine: CAG, target: LoadedModel, fmt: PromptFormat, chun
 
 
 def run_length(engine, tr, source, target, text: str, n_tokens: int, chunk_tokens: int, repeats: int, warmup: int,
-               device: str) -> dict:
+               device: str, profile: Path | None = None) -> dict:
     context = context_of(text, source.tokenizer, n_tokens)
     chunks = [c.text for c in chunk_text(context, source.tokenizer, chunk_tokens)]
     with torch.inference_mode():
@@ -124,6 +124,20 @@ def run_length(engine, tr, source, target, text: str, n_tokens: int, chunk_token
             if i >= warmup:
                 times["translate"].append(a)
                 times["native"].append(b)
+        if profile is not None:  # one more translated first token under the profiler: where its time goes
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+            with profiler(activities=acts) as prof:
+                first_token_translated(engine, tr, target, fmt, blocks, question, device)
+            events = prof.key_averages()
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+            with profile.open("a") as f:
+                f.write(f"== {n_tokens} tokens, {len(chunks)} chunks: {sum(e.count for e in events if e.key.startswith('aten::'))} "
+                        f"aten calls, {launches} kernel launches\n")
+                f.write(events.table(sort_by="self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total",
+                                     row_limit=25) + "\n")
     med = {mode: {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]} for mode, rows in times.items()}
     spread = {mode: [round(min(r["total"] for r in rows) * 1e3, 2), round(max(r["total"] for r in rows) * 1e3, 2)]
               for mode, rows in times.items()}
@@ -164,6 +178,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--text", type=Path, nargs="*", default=[DEFAULT_TEXT])
+    ap.add_argument("--profile", type=Path, help="append a torch profiler table of one translated first token per length")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args()
@@ -181,7 +196,7 @@ def main() -> None:
     text = read_text(a.text)
     rows = []
     for n in (int(v) for v in a.lengths.split(",")):
-        row = run_length(engine, tr, source, target, text, n, a.chunk_tokens, a.repeats, a.warmup, a.device)
+        row = run_length(engine, tr, source, target, text, n, a.chunk_tokens, a.repeats, a.warmup, a.device, a.profile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     name = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else (platform.processor() or "cpu")
@@ -192,7 +207,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python benchmarks/ttft_device.py " + " ".join(
                 f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(a).items()
-                if v is not None and v is not False and k not in ("out", "markdown", "text"))}
+                if v is not None and v is not False and k not in ("out", "markdown", "text", "profile"))}
     table = markdown(meta, rows)
     print(table)
     if a.out:

@@ -63,6 +63,19 @@ def token_offsets(tokenizer: Any, text: str) -> tuple[torch.Tensor, torch.Tensor
     return ids, _clip_offsets(offsets, len(text))
 
 
+def token_offsets_many(tokenizer: Any, texts: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`token_offsets` of each text, from one batched tokenizer call (the fast tokenizers
+    encode a batch in parallel, without a Python round trip per text)."""
+    if not texts:
+        return []
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
+        spans = torch.tensor([list(o) for o in offsets], dtype=torch.int64).reshape(-1, 2)
+        out.append((torch.tensor(list(ids), dtype=torch.int64), _clip_offsets(spans, len(text))))
+    return out
+
+
 def _clip_offsets(offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
     """Keep spans inside the text and non-decreasing within each span."""
     offsets = offsets.clamp(min=0, max=n_chars)

@@ -57,4 +57,4 @@ else
 fi
 $py benchmarks/ttft_device.py --canonical "$src" --target "$tgt" $weights \
     --translator cagkv/translators/smollm2-135m__qwen2.5-0.5b --lengths ${LENGTHS:-512,2048,8192,32768} \
-    --repeats ${REPEATS:-10} --out "$out/ttft_device_smollm2_qwen25.json" --markdown "$out/ttft_device_smollm2_qwen25.md" 2>&1 | tail -12
+    --repeats ${REPEATS:-10} --out "$out/ttft_device_smollm2_qwen25.json" --markdown "$out/ttft_device_smollm2_qwen25.md" --profile "$out/profile_translate.txt" 2>&1 | tail -12

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from cagkv.align import align_tokens, token_offsets
+from cagkv.align import align_tokens, token_offsets_many
 from cagkv.errors import TranslatorError, UsageError
 from cagkv.kv import KVBlock
 from cagkv.translate.features import TargetSide, source_features
@@ -125,8 +125,9 @@ def prepare_inputs(
         cols.append(c + s_at)
         shares.append(w[r, c])
         s_at += w.shape[1]
-    keys = torch.cat([k for k, _, _ in src_blocks], dim=2).to(device)  # [Ls, H, S_all, D]
-    values = torch.cat([v for _, v, _ in src_blocks], dim=2).to(device)
+    # each block to the device, then one concatenation there (no host copy of them all)
+    keys = torch.cat([k.to(device) for k, _, _ in src_blocks], dim=2)  # [Ls, H, S_all, D]
+    values = torch.cat([v.to(device) for _, v, _ in src_blocks], dim=2)
     src = torch.zeros(len(lengths) * t_max, width, device=device)
     gather_pool(torch.cat(rows).to(device), torch.cat(cols).to(device), torch.cat(shares).to(device),
                 source_features(keys, values, used), src)
@@ -272,7 +273,7 @@ class Translator:
         self.check_models(blocks, target)
         if not blocks:
             return []
-        tgt_tokens = [token_offsets(target.tokenizer, b.text) for b in blocks]
+        tgt_tokens = token_offsets_many(target.tokenizer, [b.text for b in blocks])
         empty = [i for i, (ids, _) in enumerate(tgt_tokens) if ids.numel() == 0 or blocks[i].num_tokens == 0]
         if empty:
             raise TranslatorError(f"cannot translate an empty chunk (block {empty[0]})")

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cagkv.align import align_tokens, spans_from_pieces, token_offsets
+from cagkv.align import align_tokens, spans_from_pieces, token_offsets, token_offsets_many
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -152,3 +152,15 @@ def test_gathered_pooling_equals_the_sparse_product(text: str) -> None:
     pool_features(w, feats, gathered, sparse=False)
     torch.testing.assert_close(gathered, sparse)
     torch.testing.assert_close(sparse, w @ feats)
+
+
+def test_batched_token_offsets_equal_one_by_one() -> None:
+    bl, sp = _tokenizers()
+    texts = [*_CORPUS[:4], "  leading and trailing  ", "x"]
+    for tok in (bl, sp):
+        got = token_offsets_many(tok, texts)
+        assert len(got) == len(texts)
+        for (ids, offs), text in zip(got, texts):
+            want_ids, want_offs = token_offsets(tok, text)
+            assert torch.equal(ids, want_ids) and torch.equal(offs, want_offs)
+    assert token_offsets_many(bl, []) == []
