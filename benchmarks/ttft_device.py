@@ -5,10 +5,12 @@ context length, real text of that many canonical tokens is cut into the engine's
 prefilled by the canonical model into position-free blocks, which are then put in host
 memory as the store would return them. Timed, alternating, after warm-ups:
 
-    translate   the translator turns the blocks into the target's (`Translator.translate_many`:
-                host-side alignment, the copy to the device, the folded network), the engine
-                assembles them after the target's prefix (`CAG.assemble`), and the question's
-                forward computes the separators and the first token (`cagkv.refresh.feed`)
+    r0          the translator turns the blocks into the target's (`Translator.translate_many`:
+                the copy to the device, alignment, the folded network), the engine assembles
+                them after the target's prefix (`CAG.assemble`), and the question's forward
+                computes the separators and the first token (`cagkv.refresh.feed`)
+    refreshF    (`--refresh F`) the same, plus contrast scoring of the chunk tokens and the
+                share F of them recomputed in the question's forward (`CAG.refresh`)
     native      the target prefills the chunks itself after its prefix (`CAG.prefill_native`)
                 and the question's forward gives the first token
 
@@ -47,7 +49,7 @@ from ttft import DEFAULT_TEXT, QUESTION, context_of, read_text  # noqa: E402
 from cagkv.chunking import chunk_text  # noqa: E402
 from cagkv.models import LoadedModel, load  # noqa: E402
 from cagkv.models.spec import ModelSpec  # noqa: E402
-from cagkv.pipeline import CAG  # noqa: E402
+from cagkv.pipeline import CAG, NEUTRAL_QUESTIONS  # noqa: E402
 from cagkv.prefill import prefill_chunks  # noqa: E402
 from cagkv.prompt import PromptFormat  # noqa: E402
 from cagkv.refresh import feed  # noqa: E402
@@ -78,20 +80,28 @@ def sync(device: str) -> None:
 
 
 def first_token_translated(engine: CAG, tr, target: LoadedModel, fmt: PromptFormat, blocks, question: list[int],
-                           device: str) -> dict[str, float]:
+                           device: str, refresh: float = 0.0) -> dict[str, float]:
+    """As the engine's `prepare` + first token (pipeline.py), with `refresh` the share of the
+    chunk tokens the target recomputes, chosen by contrast scoring."""
     split = {}
     t0 = time.perf_counter()
     translated = tr.translate_many(blocks, target)
     sync(device)
     t1 = time.perf_counter()
-    cache, n, pending, _, stale = engine.assemble(target, fmt, translated)
+    cache, n, pending, starts, stale = engine.assemble(target, fmt, translated, keep_all=refresh > 0)
     sync(device)
     t2 = time.perf_counter()
+    if refresh:
+        neutral = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
+        stale.update(engine.refresh(target, cache, n, pending + question, zip(starts, translated), refresh, neutral,
+                                    "contrast", stop_ids=fmt.stop_ids, defer=engine.fuse_feed))
+        sync(device)
+    t3 = time.perf_counter()
     _, logits = feed(target.model, cache, n, pending + question, stale=stale)
     int(logits[-1].argmax())  # the first token, on the host
-    t3 = time.perf_counter()
-    split["translate"], split["assemble"], split["first_token"] = t1 - t0, t2 - t1, t3 - t2
-    split["total"] = t3 - t0
+    t4 = time.perf_counter()
+    split["translate"], split["assemble"], split["scoring"], split["first_token"] = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+    split["total"] = t4 - t0
     return split
 
 
@@ -108,7 +118,7 @@ def first_token_native(engine: CAG, target: LoadedModel, fmt: PromptFormat, chun
 
 
 def run_length(engine, tr, source, target, text: str, n_tokens: int, chunk_tokens: int, repeats: int, warmup: int,
-               device: str, profile: Path | None = None) -> dict:
+               device: str, refresh: list[float], profile: Path | None = None) -> dict:
     context = context_of(text, source.tokenizer, n_tokens)
     chunks = [c.text for c in chunk_text(context, source.tokenizer, chunk_tokens)]
     with torch.inference_mode():
@@ -116,14 +126,17 @@ def run_length(engine, tr, source, target, text: str, n_tokens: int, chunk_token
     blocks = [dataclasses.replace(b, keys=b.keys.cpu(), values=b.values.cpu()) for b in blocks]  # as the store returns them
     fmt = PromptFormat.for_model(target)
     question = fmt.question_suffix_ids(QUESTION)
-    times: dict[str, list[dict[str, float]]] = {"translate": [], "native": []}
+    modes = {mode_name(f): f for f in refresh}
+    times: dict[str, list[dict[str, float]]] = {m: [] for m in [*modes, "native"]}
     with torch.inference_mode():
         for i in range(warmup + repeats):
-            a = first_token_translated(engine, tr, target, fmt, blocks, question, device)
-            b = first_token_native(engine, target, fmt, chunks, question, device)
+            for mode, fraction in modes.items():
+                split = first_token_translated(engine, tr, target, fmt, blocks, question, device, fraction)
+                if i >= warmup:
+                    times[mode].append(split)
+            split = first_token_native(engine, target, fmt, chunks, question, device)
             if i >= warmup:
-                times["translate"].append(a)
-                times["native"].append(b)
+                times["native"].append(split)
         if profile is not None:  # one more translated first token under the profiler: where its time goes
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as profiler
@@ -144,7 +157,12 @@ def run_length(engine, tr, source, target, text: str, n_tokens: int, chunk_token
     target_tokens = len(fmt.prompt_ids(chunks, QUESTION))
     return {"length": n_tokens, "chunks": len(chunks), "canonical_tokens": sum(b.num_tokens for b in blocks),
             "target_prompt_tokens": target_tokens, "ms": {m: {k: round(v, 2) for k, v in d.items()} for m, d in med.items()},
-            "total_range_ms": spread, "native_over_translate": round(med["native"]["total"] / med["translate"]["total"], 2)}
+            "total_range_ms": spread,
+            "native_over": {m: round(med["native"]["total"] / med[m]["total"], 2) for m in modes}}
+
+
+def mode_name(fraction: float) -> str:
+    return "r0" if fraction == 0 else f"refresh{fraction:g}"
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -154,14 +172,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['weights']}; translator linear path {meta['linear_dtype']}, folded; chunks of "
              f"{meta['chunk_tokens']} canonical tokens; median of {meta['repeats']} alternating repeats after "
              f"{meta['warmup']} warm-ups; {meta['date']}.", "",
-             "| canonical tokens | chunks | translate: translate / assemble / first token = total ms | "
-             "native: prefill / first token = total ms | native / translate |",
-             "|---|---|---|---|---|"]
+             "| canonical tokens | chunks | mode | translate / assemble / scoring / first token = total ms | "
+             "native: prefill / first token = total ms | native / mode |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        t, n = r["ms"]["translate"], r["ms"]["native"]
-        lines.append(f"| {r['length']} | {r['chunks']} | {t['translate']:.1f} / {t['assemble']:.1f} / "
-                     f"{t['first_token']:.1f} = **{t['total']:.1f}** | {n['prefill']:.1f} / {n['first_token']:.1f} = "
-                     f"**{n['total']:.1f}** | **{r['native_over_translate']}x** |")
+        n = r["ms"]["native"]
+        for mode, ratio in r["native_over"].items():
+            t = r["ms"][mode]
+            lines.append(f"| {r['length']} | {r['chunks']} | {mode} | {t['translate']:.1f} / {t['assemble']:.1f} / "
+                         f"{t['scoring']:.1f} / {t['first_token']:.1f} = **{t['total']:.1f}** | {n['prefill']:.1f} / "
+                         f"{n['first_token']:.1f} = **{n['total']:.1f}** | **{ratio}x** |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,6 +192,8 @@ def main() -> None:
     ap.add_argument("--translator", required=True, help="translator artifact folder")
     ap.add_argument("--random-weights", action="store_true", help="build both models from their configs (see doc)")
     ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--refresh", default="0", help="translated modes: shares of the chunk tokens refreshed "
+                                                    "(0 = r = 0; 0.5 = the Qwen2.5 card's default, contrast scoring)")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -196,7 +218,8 @@ def main() -> None:
     text = read_text(a.text)
     rows = []
     for n in (int(v) for v in a.lengths.split(",")):
-        row = run_length(engine, tr, source, target, text, n, a.chunk_tokens, a.repeats, a.warmup, a.device, a.profile)
+        row = run_length(engine, tr, source, target, text, n, a.chunk_tokens, a.repeats, a.warmup, a.device,
+                         [float(f) for f in a.refresh.split(",")], a.profile)
         rows.append(row)
         print(json.dumps(row), flush=True)
     name = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else (platform.processor() or "cpu")

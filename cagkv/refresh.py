@@ -61,11 +61,12 @@ def prompt_attention(model: nn.Module, cache: Any, n: int, prompts: Sequence[Seq
         raise ValueError("no prompt tokens to measure attention from")
     lengths = [len(p) for p in prompts]
     width = max(lengths)
-    ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=device)
     work = copy.deepcopy(cache)
     if len(prompts) > 1:
         work.batch_repeat_interleave(len(prompts))
-    positions = (n + torch.arange(width)).unsqueeze(0).expand(len(prompts), -1)
+    positions = (n + torch.arange(width, device=device)).unsqueeze(0).expand(len(prompts), -1)
     # one switch at a time: two threads sharing a model must not restore each other's setting
     # mid-pass (a forward of another thread meanwhile runs eager: slower, same result)
     with _EAGER_SWITCH:
@@ -77,12 +78,12 @@ def prompt_attention(model: nn.Module, cache: Any, n: int, prompts: Sequence[Seq
                                     output_attentions=True)
         finally:
             model.set_attn_implementation(before)
-    mass = torch.zeros(len(prompts), n)
+    mass = torch.zeros(len(prompts), n, device=device)
     for weights in out.attentions:  # [P, H, Q, K]: K = what the layer holds (a sliding layer may hold fewer) + Q
         held_count = weights.shape[-1] - width
         for row, length in enumerate(lengths):
             mass[row, n - held_count:] += weights[row, :, :length, :held_count].float().sum(dim=(0, 1))
-    return mass
+    return mass.cpu()  # ranking is host-side bookkeeping
 
 
 def question_attention(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -131,9 +132,10 @@ def draft_answer(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]
     work = copy.deepcopy(cache)
     ids, position, drafted = list(prompt_ids), n, []
     stops = set(stop_ids)
+    device = next(model.parameters()).device
     for _ in range(count):
-        positions = (position + torch.arange(len(ids)))[None]
-        logits = model(input_ids=torch.tensor([ids]), cache=work, position_ids=positions, use_cache=True,
+        positions = (position + torch.arange(len(ids), device=device))[None]
+        logits = model(input_ids=torch.tensor([ids], device=device), cache=work, position_ids=positions, use_cache=True,
                        logits_to_keep=1).logits[0, -1]
         position += len(ids)
         token = int(torch.argmax(logits))

@@ -6,7 +6,7 @@
 # 1. the CUDA tests (tests/unit/test_device.py: translation, prefill, assembly and the fused
 #    question forward on the GPU against the CPU; every dispatch implementation),
 # 2. benchmarks/dispatch.py on large token batches (bfloat16),
-# 3. benchmarks/ttft_device.py: translate (r = 0) against native prefill, SmolLM2-135M ->
+# 3. benchmarks/ttft_device.py: translate (r = 0, and the card's default refresh 0.5) against native prefill, SmolLM2-135M ->
 #    Qwen2.5-0.5B, 512 to 32k tokens.
 #
 # Where cagkv is not installed (a bare machine with its own torch), the package is laid out
@@ -57,4 +57,4 @@ else
 fi
 $py benchmarks/ttft_device.py --canonical "$src" --target "$tgt" $weights \
     --translator cagkv/translators/smollm2-135m__qwen2.5-0.5b --lengths ${LENGTHS:-512,2048,8192,32768} \
-    --repeats ${REPEATS:-10} --out "$out/ttft_device_smollm2_qwen25.json" --markdown "$out/ttft_device_smollm2_qwen25.md" --profile "$out/profile_translate.txt" 2>&1 | tail -12
+    --refresh ${REFRESH:-0,0.5} --repeats ${REPEATS:-10} --out "$out/ttft_device_smollm2_qwen25.json" --markdown "$out/ttft_device_smollm2_qwen25.md" --profile "$out/profile_translate.txt" 2>&1 | tail -12

@@ -24,13 +24,9 @@ def source_features(keys: torch.Tensor, values: torch.Tensor, used: list[int]) -
     """`[Ls, H, S, D]` keys/values -> `[S, n_used * 2 * H * D]` float32 features."""
     _, h, s, d = keys.shape
     out = torch.empty(s, len(used), 2, h, d, dtype=torch.float32, device=keys.device)
-    if list(used) == list(range(used[0], used[0] + len(used))):  # a range of layers: views, no gather
-        k, v = keys[used[0] : used[0] + len(used)], values[used[0] : used[0] + len(used)]
-    else:
-        idx = torch.as_tensor(used, device=keys.device)
-        k, v = keys.index_select(0, idx), values.index_select(0, idx)
-    out[:, :, 0].copy_(k.permute(2, 0, 1, 3))  # [S, n, H, D]: one strided copy and cast per side
-    out[:, :, 1].copy_(v.permute(2, 0, 1, 3))
+    for j, layer in enumerate(used):  # one strided copy per layer and side: no intermediate copies
+        out[:, j, 0].copy_(keys[layer].transpose(0, 1))  # [S, H, D]
+        out[:, j, 1].copy_(values[layer].transpose(0, 1))
     return out.view(s, -1)  # [S, n*2*kv]
 
 

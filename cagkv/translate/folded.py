@@ -60,8 +60,6 @@ class FoldedMoT:
                 self.in_proj.append(((lin.weight * inv_std[cols]).to(dtype),
                                      (lin.bias - lin.weight @ shift[cols]).to(dtype)))
             self.weight, self.emb_weight, self.bias, self.source_layers = self._fold_layers(inv_std, shift)
-        group_of = {layer: g for g, layers in enumerate(cfg.groups) for layer in layers}
-        self._group_of = torch.tensor([group_of[layer] for layer in cfg.translated])  # each translated layer's group
 
     @staticmethod
     def supports(mot: MoTTranslator) -> bool:
@@ -112,14 +110,16 @@ class FoldedMoT:
         n_tr, f = self.weight.shape[:2]
         out = torch.empty(n_tr, n_tokens, f, dtype=self.dtype, device=src.device)
         at = 0
-        if self.source_layers is not None:  # one gather of every layer's mapped source layers
+        if self.source_layers is not None:
             feat = 2 * cfg.src_kv_dim
-            n_map = self.source_layers.shape[1]
             per_layer = src.view(n_tokens, -1, feat)  # [N, n_used, feat]
-            picked = per_layer.index_select(1, self.source_layers.reshape(-1).to(src.device))  # [N, Lt * n_map, feat]
-            out[:, :, : n_map * feat].copy_(picked.view(n_tokens, n_tr, n_map * feat).transpose(0, 1))
-            at = n_map * feat
-        out[:, :, at:].copy_(head_states.index_select(0, self._group_of.to(head_states.device)))  # [Lt, N, d]
+            for i, row in enumerate(self.source_layers.tolist()):
+                for j, s in enumerate(row):
+                    out[i, :, at + j * feat : at + (j + 1) * feat].copy_(per_layer[:, s])
+            at += self.source_layers.shape[1] * feat
+        group_of = {layer: g for g, layers in enumerate(cfg.groups) for layer in layers}
+        for i, layer in enumerate(cfg.translated):
+            out[i, :, at:].copy_(head_states[group_of[layer]])
         return out
 
     @torch.no_grad()
@@ -156,18 +156,22 @@ class FoldedMoT:
             if scales is not None:
                 keys_j *= scales[layer].to(keys_j.dtype)
         k0, v0 = ts.exact_kv(emb.to(next(ts.model.parameters()).dtype), 0)  # [B, H, T, D]
-        # every block's tokens in one [L, H, N, D] pair (one copy and cast per side); blocks are views of it
         n_all = rows.numel()
-        keys = torch.empty(cfg.tgt_layers, heads, n_all, d, dtype=out_dtype, device=y.device)
-        values = torch.empty_like(keys)
-        translated = torch.tensor(cfg.translated, device=y.device)
-        keys.index_copy_(0, translated, y[:, :, :kv].view(-1, n_all, heads, d).transpose(1, 2).to(out_dtype))
-        values.index_copy_(0, translated, y[:, :, kv:].view(-1, n_all, heads, d).transpose(1, 2).to(out_dtype))
-        for layer in cfg.exact_layers:  # layer 0: computed from the embeddings, on the real tokens
-            keys[layer] = k0.transpose(1, 2).reshape(b * t, heads, d).index_select(0, rows).transpose(0, 1)
-            values[layer] = v0.transpose(1, 2).reshape(b * t, heads, d).index_select(0, rows).transpose(0, 1)
+        k_tr = y[:, :, :kv].view(-1, n_all, heads, d).transpose(1, 2)  # [Lt, H, N, D]
+        v_tr = y[:, :, kv:].view(-1, n_all, heads, d).transpose(1, 2)
+        # exact layers can only be layer 0 (`TargetSide.exact_kv`): the translated ones are one
+        # range, copied (and cast) in one pass per block and side: a few kernels per block, and
+        # a working set of one block (a copy of all blocks at once was slower on the CPU)
+        first = cfg.translated[0]
+        assert cfg.translated == list(range(first, cfg.tgt_layers)), cfg.translated
         result, at = [], 0
-        for n in inputs.lengths:
-            result.append((keys[:, :, at : at + n], values[:, :, at : at + n]))
+        for i, n in enumerate(inputs.lengths):
+            keys = torch.empty(cfg.tgt_layers, heads, n, d, dtype=out_dtype, device=y.device)
+            values = torch.empty_like(keys)
+            for layer in cfg.exact_layers:
+                keys[layer], values[layer] = k0[i, :, :n], v0[i, :, :n]
+            keys[first:].copy_(k_tr[:, :, at : at + n])
+            values[first:].copy_(v_tr[:, :, at : at + n])
+            result.append((keys, values))
             at += n
         return result, h

@@ -111,3 +111,26 @@ def test_dispatch_implementations_agree_on_gpu() -> None:
     bf16 = [t if t.dtype == torch.int64 else t.bfloat16() for t in args]
     for impl in ("loop", "bmm", "grouped", "auto"):  # grouped_mm on CUDA takes bfloat16
         close(dispatch_experts(*bf16, impl=impl), want, tol=2e-2)
+
+
+def test_refresh_scoring_on_gpu_matches_cpu() -> None:
+    """Contrast scoring (eager attention, batched prompts) chooses the same tokens on the GPU."""
+    from cagkv.pipeline import NEUTRAL_QUESTIONS
+
+    lm = tiny_model("gemma3", 4)
+    fmt = PromptFormat.for_model(lm)
+    blocks = [chunk_block(lm, t) for t in (CORPUS[0], CORPUS[1][:70])]
+    question = fmt.question_suffix_ids("What is it?")
+    chosen, logits = [], []
+    for loaded in (lm, on_gpu(lm)):
+        engine = CAG(store=None, canonical=lm.name)
+        moved = [dataclasses.replace(b, keys=b.keys.to(loaded.device), values=b.values.to(loaded.device)) for b in blocks]
+        cache, n, pending, starts, stale = engine.assemble(loaded, fmt, moved, keep_all=True)
+        neutral = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
+        picked = engine.refresh(loaded, cache, n, pending + question, zip(starts, moved), 0.3, neutral, "contrast",
+                                defer=True)
+        _, out = feed(loaded.model, cache, n, pending + question, stale={**stale, **picked})
+        chosen.append(picked)
+        logits.append(out)
+    assert chosen[0] == chosen[1] and chosen[0]
+    close(logits[1], logits[0])
