@@ -185,7 +185,7 @@ def _mask(key_positions: torch.Tensor, stale: torch.Tensor, query_positions: tor
     allowed = (key_positions[None, :] <= query_positions[:, None]) & ~stale[None, :]
     if window:
         allowed &= (query_positions[:, None] - key_positions[None, :]) < window
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
@@ -286,17 +286,17 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
                 f"from {reach}: assemble the cache with full_cache() to refresh it"
             )
         spans.append((first, total))
-    queries = torch.cat([pos, (n or 0) + torch.arange(len(appended))])
     work = full_copy(cache)  # never trims, so the fresh entries are the last len(queries) of every layer
     dtype, device = cache.layers[0].keys.dtype, cache.layers[0].keys.device
+    pos = pos.to(device)  # the masks are [Q, K]: built where they are used (a long refresh makes them large)
+    queries = torch.cat([pos, (n or 0) + torch.arange(len(appended), device=device)])
     masks = {}
     for kind in set(types):
         first, total = spans[types.index(kind)]
-        held = torch.arange(first, total)
+        held = torch.arange(first, total, device=device)
         key_positions = torch.cat([held, queries])
-        stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool)])
-        masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None,
-                            dtype).to(device)
+        stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool, device=device)])
+        masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
     hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]], device=device))
-    hidden = run_layers(model, hidden.to(dtype), queries[None].to(device), work, 0, masks=masks)
+    hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
     return work, spans, hidden
