@@ -12,8 +12,9 @@
 # Where cagkv is not installed (a bare machine with its own torch), the package is laid out
 # under /tmp/cagkv_pkg from this checkout, and wheels in .whl/ (transformers and the rest of
 # what the image lacks) are installed under /tmp/cagkv_site. `bash scripts/gpu_prepare.sh`
-# fetches the wheels and the model folders beforehand. Models: the folders in .gpu/models/NAME (config and tokenizer only, tokenizer.json may be gzipped; random weights:
-# see ttft_device.py) or, when present, the zoo's converted models with their real weights.
+# fetches the wheels and the model folders beforehand. Models: the folders in
+# .gpu/models/NAME (config and tokenizer only, tokenizer.json may be gzipped; random
+# weights: see ttft_device.py) or, when present, the zoo's converted models (real weights).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
