@@ -58,9 +58,7 @@ def align_tokens(src_offsets: torch.Tensor, tgt_offsets: torch.Tensor) -> torch.
 def token_offsets(tokenizer: Any, text: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids `[T]` and character spans `[T, 2]` (int64) of `text`, no special tokens."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(list(enc["input_ids"]), dtype=torch.int64)
-    offsets = torch.tensor([list(o) for o in enc["offset_mapping"]], dtype=torch.int64).reshape(-1, 2)
-    return ids, _clip_offsets(offsets, len(text))
+    return _as_tensors(enc["input_ids"], enc["offset_mapping"], text)
 
 
 def token_offsets_many(tokenizer: Any, texts: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,11 +67,13 @@ def token_offsets_many(tokenizer: Any, texts: Sequence[str]) -> list[tuple[torch
     if not texts:
         return []
     enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
-    out = []
-    for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
-        spans = torch.tensor([list(o) for o in offsets], dtype=torch.int64).reshape(-1, 2)
-        out.append((torch.tensor(list(ids), dtype=torch.int64), _clip_offsets(spans, len(text))))
-    return out
+    return [_as_tensors(ids, spans, text) for text, ids, spans in zip(texts, enc["input_ids"], enc["offset_mapping"])]
+
+
+def _as_tensors(ids: Sequence[int], spans: Sequence[Sequence[int]], text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tokenizer's ids and offset mapping of `text` -> int64 ids `[T]` and clipped spans `[T, 2]`."""
+    offsets = torch.tensor([list(o) for o in spans], dtype=torch.int64).reshape(-1, 2)
+    return torch.tensor(list(ids), dtype=torch.int64), _clip_offsets(offsets, len(text))
 
 
 def _clip_offsets(offsets: torch.Tensor, n_chars: int) -> torch.Tensor:
