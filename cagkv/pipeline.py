@@ -420,8 +420,9 @@ class CAG:
                 out = list(translator.translate_many(blocks, target, **kwargs))
             else:
                 out = [translator.translate(b, target, **kwargs) for b in blocks]
-        # a translator that replays reports that part of its time separately
-        spent = getattr(translator, "last_replay_ms", 0.0) if replay or window else 0.0
+        # the target's own layers over the chunk (replay, window, or a translator's native lower
+        # layers) are reported apart from the translation
+        spent = getattr(translator, "last_replay_ms", 0.0)
         timings["replay"], timings["translate"] = spent, timings["translate"] - spent
         return out
 

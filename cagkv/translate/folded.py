@@ -20,7 +20,8 @@ take the source normalisation into their weights too, and multiply in the folded
 
 What stays outside: the sequence mixing and experts (not linear), layer 0 (computed exactly
 from the embeddings), the target's k-norm itself (a division by the key's length) and the
-learned key scales. Translators with `layer_streams` are not folded (`FoldedMoT.supports`).
+learned key scales. Translators with `layer_streams` or `native_below` are not folded
+(`FoldedMoT.supports`).
 
 Example:
     >>> folded = FoldedMoT(mot, TargetSide(target.model), torch.bfloat16)
@@ -47,7 +48,7 @@ class FoldedMoT:
 
     def __init__(self, mot: MoTTranslator, ts: TargetSide, dtype: torch.dtype = torch.float32) -> None:
         if not self.supports(mot):
-            raise ValueError("translators with layer_streams are not folded")
+            raise ValueError("translators with layer_streams or native_below are not folded")
         cfg = mot.cfg
         self.mot, self.ts, self.dtype = mot, ts, dtype
         with torch.no_grad():
@@ -63,7 +64,7 @@ class FoldedMoT:
 
     @staticmethod
     def supports(mot: MoTTranslator) -> bool:
-        return not mot.cfg.layer_streams
+        return not mot.cfg.layer_streams and not mot.cfg.native_below
 
     def _fold_layers(self, inv_std: torch.Tensor, shift: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:

@@ -79,6 +79,8 @@ class MoTConfig:
     layer_streams: list[int] = field(default_factory=list)  # target layers with a path of their own (LayerStream)
     stream_d: int = 256
     key_scale: bool = False  # a learned scale per translated layer on its keys, after the k-norm (a temperature)
+    native_below: int = 0  # >0: the target computes its layers below this one over the chunk itself; the
+    # mixture also reads its residual stream entering this layer, and those layers' K/V are the target's (E66)
 
     def __post_init__(self) -> None:
         if self.mixing not in MIXING:
@@ -94,6 +96,10 @@ class MoTConfig:
             raise ValueError(f"boundaries must lie in 1..{self.tgt_layers - 1}, got {bad}")
         if self.boundaries and self.tgt_hidden < 1:
             raise ValueError("boundaries need tgt_hidden (the target's hidden size)")
+        if not 0 <= self.native_below < self.tgt_layers:
+            raise ValueError(f"native_below must lie in 0..{self.tgt_layers - 1}, got {self.native_below}")
+        if self.native_below and self.tgt_hidden < 1:
+            raise ValueError("native_below needs tgt_hidden (the target's hidden size)")
         bad = [l for l in self.layer_streams if l not in self.translated]
         if bad:
             raise ValueError(f"layer_streams must be translated target layers, got {bad}")
@@ -374,17 +380,25 @@ class MoTTranslator(nn.Module):
             self.skip_a = nn.Parameter(torch.zeros(n_tr, f_in, cfg.skip_rank))
             self.skip_b = nn.Parameter(torch.zeros(n_tr, cfg.skip_rank, kv2))
             self.skip_bias = nn.Parameter(torch.zeros(n_tr, kv2))
+        if cfg.native_below:
+            # per group: the target's own residual stream entering layer `native_below` (unit RMS)
+            # into the group's state; zero at the start, so a translator given it (`--init`)
+            # computes what it did before
+            self.res_proj = nn.Parameter(torch.zeros(len(cfg.groups), cfg.tgt_hidden, d))
         if cfg.key_scale:
             # log of each target layer's key scale; a k-norm fixes a key's length, so without it the
             # translator cannot sharpen or soften the attention its keys draw (see `key_scales`)
             self.key_log_scale = nn.Parameter(torch.zeros(cfg.tgt_layers))
 
     # ------------------------------------------------------------------ forward
-    def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None) -> MoTOutput:
-        """src `[B, T, n_used*2*src_kv]` raw aligned source KV, emb `[B, T, E]`; mask `[B, T]` real tokens."""
+    def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> MoTOutput:
+        """src `[B, T, n_used*2*src_kv]` raw aligned source KV, emb `[B, T, E]`; mask `[B, T]` real
+        tokens; residual `[B, T, hidden]` the target's residual stream entering layer
+        `cfg.native_below` (needed when that is set)."""
         cfg = self.cfg
         x = self.normalise_source(src)
-        h, aux, load = self.mixture(x, emb, mask)
+        h, aux, load = self.mixture(x, emb, mask, residual=residual)
         ys = []
         for g, layers in enumerate(cfg.groups):
             hn = self.head_norm[g](h[g])  # [B, T, d]
@@ -400,19 +414,27 @@ class MoTTranslator(nn.Module):
 
     def mixture(self, x: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None,
                 in_proj: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every group's state after sequence mixing and experts, `[G, B, T, d]`, with the
         balance loss and the expert load. `x` is the normalised source features, or, with
         `in_proj` (per group a weight and bias that take the normalisation in, see
-        `cagkv.translate.folded`), the raw ones, in the dtype of those weights."""
+        `cagkv.translate.folded`), the raw ones, in the dtype of those weights. `residual`:
+        see `forward`."""
         cfg = self.cfg
         b, t, _ = x.shape
         e = self.emb_proj(self.emb_norm(emb))  # [B, T, d]
+        r = None
+        if cfg.native_below:
+            if residual is None:
+                raise ValueError(f"this translator reads the target's residual stream entering layer "
+                                 f"{cfg.native_below}: pass `residual`")
+            r = unit_rms(residual.to(e.dtype))
         hs = []
         for g in range(len(cfg.groups)):
             feats = gather_blocks(x, getattr(self, f"cols_{g}"), 2 * cfg.src_kv_dim)
             proj = self.in_proj[g](feats) if in_proj is None else F.linear(feats, *in_proj[g])
-            hs.append(self.mix[g](proj.to(e.dtype) + e))
+            inp = proj.to(e.dtype) + e
+            hs.append(self.mix[g](inp if r is None else inp + r @ self.res_proj[g]))
         h = torch.stack(hs)  # [G, B, T, d]
         keep = torch.ones(b, t, dtype=torch.bool, device=h.device) if mask is None else mask.bool()
         h, aux, load = self._experts(h, keep, self.router_norm, self.router, (self.W1, self.b1, self.W2, self.b2))

@@ -82,6 +82,8 @@ class TrainConfig:
     answer_weight: float = 1.0  # e2e KL: the answer tokens' share, against 1 for the document-changed tokens
     refresh_mix: float = 0.0  # e2e: this share of each chunk's tokens (drawn per step) gets native K/V in the
     # Context Correction cache, as question-time refresh leaves them; the loss reaches the rest only (E63)
+    native_below: int = 0  # >0: the target computes its layers below this one over the chunk; the mixture
+    # reads its residual stream there (MoTConfig.native_below, E66)
     topk: int = 32
     eval_samples: int = 10
     log_every: int = 10
@@ -122,7 +124,7 @@ def make_mot_config(source: LoadedModel, target: LoadedModel, cfg: TrainConfig) 
         tgt_k_norm=bool(t.has_k_norm), group_size=cfg.group_size, d_model=cfg.d_model, d_expert=cfg.d_expert,
         experts=cfg.experts, top_k=cfg.top_k, mixing=cfg.mixing, blocks=cfg.blocks, tgt_hidden=int(target.config.hidden_size),
         skip_rank=cfg.skip_rank, boundary_rank=cfg.boundary_rank, layer_streams=list(cfg.layer_streams),
-        stream_d=cfg.stream_d, key_scale=cfg.key_scale,
+        stream_d=cfg.stream_d, key_scale=cfg.key_scale, native_below=cfg.native_below,
         boundaries=sorted(set(cfg.boundaries) | {t.num_layers - r for r in cfg.replay if 0 < r < t.num_layers}),
     )
 
@@ -201,13 +203,33 @@ class Trainer:
         """Differentiable translation: keys/values `[B, L, H, T, D]` and the MoT output.
         With `self.replay = r > 0` the top r layers are recomputed by the frozen target
         from the replay head's residual stream (as `Translator.translate_many` does)."""
+        below = self.mot.cfg.native_below
         with torch.no_grad():
             emb = self.ts.embed(bt["ids"]).float()
-        out = self.mot(bt["src"], emb, bt["mask"])
+            residual = self.lower_residual(bt, emb) if below else None
+        out = self.mot(bt["src"], emb, bt["mask"]) if residual is None else self.mot(bt["src"], emb, bt["mask"], residual)
         keys, values = assemble_kv(self.mot, self.ts, out, emb)
+        if below:  # the layers the target computes itself: its native K/V (the pairs hold them)
+            keys = torch.cat([self.native_keys(bt)[:, :below].to(keys.dtype), keys[:, below:]], 1)
+            values = torch.cat([self.native_keys(bt, "tv")[:, :below].to(values.dtype), values[:, below:]], 1)
         if self.replay:
             keys, values = self.replay_kv(bt, emb, keys, values, out.hidden)
         return keys, values, out
+
+    def lower_residual(self, bt: dict[str, torch.Tensor], emb: torch.Tensor) -> torch.Tensor:
+        """The target's residual stream entering layer `native_below` over each chunk (after the
+        shared prefix, at positions P..), `[B, T, hidden]`, zero on padding."""
+        from cagkv.models.layers import run_layers
+
+        dtype = next(self.target.model.parameters()).dtype
+        out = emb.new_zeros(*emb.shape[:2], int(self.target.config.hidden_size))
+        for i, n in enumerate(bt["lengths"].tolist()):
+            cache = build_cache(self.target.config, self.target.spec, self.pairs.prefix_k.float(),
+                                self.pairs.prefix_v.float(), torch.arange(self.P), dtype=dtype)
+            positions = torch.arange(self.P, self.P + n)[None]
+            out[i, :n] = run_layers(self.target.model, emb[i : i + 1, :n].to(dtype), positions, cache, 0,
+                                    stop=self.mot.cfg.native_below)[0].float()
+        return out
 
     def replay_kv(self, bt: dict[str, torch.Tensor], emb: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

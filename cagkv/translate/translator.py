@@ -283,14 +283,27 @@ class Translator:
         ts = TargetSide(target.model)
         dtype = next(target.model.parameters()).dtype
         emb = ts.embed(inputs.ids).float()
+        below = self.model.cfg.native_below
+        residual = lower = None
+        if below:  # the target's own layers below `below` over each chunk, and the residual stream there
+            t0 = time.perf_counter()
+            lower = [self._run_chunk(target, emb[i : i + 1, :n].to(dtype), 0, below)
+                     for i, n in enumerate(inputs.lengths)]
+            residual = emb.new_zeros(*emb.shape[:2], lower[0][0].shape[-1])
+            for i, n in enumerate(inputs.lengths):
+                residual[i, :n] = lower[i][0][0].float()
+            self.last_replay_ms = (time.perf_counter() - t0) * 1000
         if self._uses_folded():
             kv, hidden = self._folded(target, ts).kv(inputs, emb, out_dtype=dtype)
         else:
-            out = self.model(inputs.src, emb, inputs.mask)
+            out = (self.model(inputs.src, emb, inputs.mask) if residual is None
+                   else self.model(inputs.src, emb, inputs.mask, residual))
             keys, values = assemble_kv(self.model, ts, out, emb.to(dtype))
             kv = [(keys[i, :, :, :n].to(dtype).contiguous(), values[i, :, :, :n].to(dtype).contiguous())
                   for i, n in enumerate(inputs.lengths)]
             hidden = out.hidden
+        for (keys, values), (_, k_low, v_low) in zip(kv, lower or []):
+            keys[:below], values[:below] = k_low, v_low
         if replay or window:
             t0 = time.perf_counter()
             for i, (keys, values) in enumerate(kv):
@@ -303,8 +316,9 @@ class Translator:
                     h = (emb[i : i + 1, :n] if start == 0 else
                          self.model.boundary_hidden(inputs.src[i : i + 1, :n], emb[i : i + 1, :n], start,
                                                     hidden[:, i : i + 1, :n])).to(dtype)
-                keys[start:], values[start:] = self._recompute(target, h, start, keys, values, inject)
-            self.last_replay_ms = (time.perf_counter() - t0) * 1000
+                _, keys[start:], values[start:] = self._run_chunk(target, h, start, keys=keys, values=values,
+                                                                  inject=inject)
+            self.last_replay_ms += (time.perf_counter() - t0) * 1000
         return [self._block(block, k, v, tgt_tokens[i], target) for i, (block, (k, v)) in enumerate(zip(blocks, kv))]
 
     @staticmethod
@@ -350,15 +364,18 @@ class Translator:
             self._prefixes[key] = (cache, len(ids))
         return self._prefixes[key]
 
-    def _recompute(self, target: LoadedModel, hidden: torch.Tensor, start: int, keys: torch.Tensor,
-                   values: torch.Tensor, inject: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the target's layers start.. over one chunk after its prefix; `inject` layers
-        attend over (and keep) the translated K/V given. Returns the position-free K, V
-        `[L - start, H, T, D]` of the recomputed layers."""
+    def _run_chunk(self, target: LoadedModel, hidden: torch.Tensor, start: int, stop: int | None = None,
+                   keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                   inject: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the target's layers start..stop-1 over one chunk after its prefix, from `hidden`
+        `[1, T, E]` (the residual stream entering `start`); `inject` layers attend over (and keep)
+        the translated `keys`/`values` given. Returns the residual stream after them and the
+        position-free K, V `[stop - start, H, T, D]` of those layers."""
         from cagkv.models.cache import extract_kv
         from cagkv.models.layers import inject_kv, run_layers
         from cagkv.models.rope import rotate
 
+        stop = target.spec.num_layers if stop is None else stop
         prefix, p = self._prefix(target)
         cache = copy.deepcopy(prefix)
         t = hidden.shape[1]
@@ -366,10 +383,10 @@ class Translator:
         given = {l: (rotate(keys[l], positions, target.spec.rope[l], out_dtype=keys.dtype)[None], values[l][None])
                  for l in inject}
         with inject_kv(cache, given):
-            run_layers(target.model, hidden, positions[None], cache, start)
-        k_new, v_new = extract_kv(cache, target.spec, positions, dtype=torch.float32,
-                                  layers=range(start, target.spec.num_layers))
-        return k_new.to(keys.dtype), v_new.to(values.dtype)
+            out = run_layers(target.model, hidden, positions[None], cache, start, stop)
+        k_new, v_new = extract_kv(cache, target.spec, positions, dtype=torch.float32, layers=range(start, stop))
+        dtype = hidden.dtype if keys is None else keys.dtype
+        return out, k_new.to(dtype), v_new.to(dtype)
 
     def check_models(self, blocks: Sequence[KVBlock], target: LoadedModel) -> None:
         """Refuse blocks or a target whose fingerprint differs from the card's."""

@@ -17,6 +17,7 @@ from cagkv.models.cache import extract_kv, full_cache  # noqa: E402
 from cagkv.models.layers import inject_kv, run_layers  # noqa: E402
 from cagkv.prompt import PromptFormat  # noqa: E402
 from cagkv.translate import Translator  # noqa: E402
+from cagkv.translate.folded import FoldedMoT  # noqa: E402
 from cagkv.translate.mot import MoTTranslator  # noqa: E402
 from cagkv.translate.pairs import prefill_kv  # noqa: E402
 from cagkv.translate.ridge import RidgeFit  # noqa: E402
@@ -26,10 +27,10 @@ from cagkv.translate.translator import LINEAR_DTYPE_ENV, linear_path_dtype, wind
 TEXT = CORPUS[0]
 
 
-def _translator(src, tgt, boundaries=(2,)) -> Translator:
+def _translator(src, tgt, boundaries=(2,), **kw) -> Translator:
     torch.manual_seed(0)
     cfg = make_mot_config(src, tgt, TrainConfig(d_model=16, d_expert=24, experts=3, top_k=2, group_size=2, skip_rank=4,
-                                                boundaries=list(boundaries), boundary_rank=4))
+                                                boundaries=list(boundaries), boundary_rank=4, **kw))
     mot = MoTTranslator(cfg)
     with torch.no_grad():
         for p in mot.parameters():
@@ -104,6 +105,42 @@ def test_expert_fed_replay_head_reads_the_expert_state_at_inference() -> None:
     moved = fed.translate(block, tgt, replay=2)
     assert torch.equal(moved.keys[:2], plain.keys[:2])  # layers below the boundary: translated, unchanged
     assert not torch.allclose(moved.keys[2:], plain.keys[2:])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_native_below_layers_are_the_targets_own_and_the_rest_reads_its_residual(family: str) -> None:
+    src, tgt = tiny_model("qwen2", 3), tiny_model(family, 4)
+    plain = _translator(src, tgt)
+    plain.set_linear_path(torch.float32, folded=False)  # the graph the native_below translator runs
+    floor = _translator(src, tgt, native_below=2)
+    assert not FoldedMoT.supports(floor.model)
+    assert not MoTTranslator(floor.model.cfg).res_proj.any()  # a new projection starts at zero
+    missing, unexpected = floor.model.load_state_dict(plain.model.state_dict(), strict=False)
+    assert missing == ["res_proj"] and not unexpected
+    with torch.no_grad():
+        floor.model.res_proj.zero_()
+    block = chunk_block(src, TEXT)
+    base, out = plain.translate(block, tgt), floor.translate(block, tgt)
+    k_nat, v_nat = _native_chunk_kv(tgt, TEXT)
+    torch.testing.assert_close(out.keys[:2], k_nat[:2], atol=1e-5, rtol=1e-5)  # computed by the target itself
+    torch.testing.assert_close(out.values[:2], v_nat[:2], atol=1e-6, rtol=0)
+    assert floor.last_replay_ms > 0
+    # a zero projection of the residual: the layers above are the plain translator's
+    torch.testing.assert_close(out.keys[2:], base.keys[2:])
+    torch.testing.assert_close(out.values[2:], base.values[2:])
+    with torch.no_grad():
+        floor.model.res_proj.normal_(0, 0.5)
+    moved = floor.translate(block, tgt)
+    assert torch.equal(moved.keys[:2], out.keys[:2]) and not torch.allclose(moved.keys[2:], out.keys[2:])
+    # the residual is the target's own: a translator reading it sees the chunk's other blocks' nothing,
+    # so translating two blocks together gives each what it gets alone
+    pair = floor.translate_many([block, chunk_block(src, CORPUS[1])], tgt)
+    torch.testing.assert_close(pair[0].keys, moved.keys, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="native_below must lie"):
+        _translator(src, tgt, native_below=4)
+    with pytest.raises(ValueError, match="pass `residual`"):
+        floor.model(torch.zeros(1, 3, len(floor.model.cfg.used_src) * 2 * floor.model.cfg.src_kv_dim),
+                    torch.zeros(1, 3, floor.model.cfg.tgt_embed_dim))
 
 
 def test_window_layers_cover_about_thirty_percent() -> None:

@@ -150,6 +150,27 @@ def test_refresh_mix_gives_a_share_of_tokens_native_kv_and_no_gradient(pairs: Pa
     assert [tr.rng.random() for _ in range(3)] == [plain.rng.random() for _ in range(3)]
 
 
+def test_native_below_trains_on_the_targets_residual_and_keeps_its_lower_kv(pairs: PairSet) -> None:
+    tr = _trainer(pairs, native_below=2)
+    rec = next(r for r in pairs if r["kinds"])
+    bt = tr.batch([rec])
+    n = int(bt["lengths"][0])
+    emb = tr.ts.embed(bt["ids"]).float()
+    with torch.no_grad():
+        residual = tr.lower_residual(bt, emb)
+        ids = torch.cat([pairs.prefix_ids, rec["tgt_ids"]])[None]
+        own = tr.target.model(input_ids=ids, output_hidden_states=True).hidden_states[2][0, tr.P :]
+    torch.testing.assert_close(residual[0, :n], own.float(), atol=2e-2, rtol=2e-2)  # pairs hold the prefix in fp16
+    keys, values, _ = tr.translate_batch(bt)
+    assert torch.equal(keys[:, :2], tr.native_keys(bt)[:, :2]) and torch.equal(values[:, :2], tr.native_keys(bt, "tv")[:, :2])
+    target_before = {k: v.clone() for k, v in tr.target.model.state_dict().items()}
+    before = tr.mot.res_proj.detach().clone()
+    tr.stage_e2e(2, make_optimizer(tr.mot, "e2e", tr.cfg))
+    assert not torch.equal(tr.mot.res_proj, before)  # the Context Correction loss reaches the residual's projection
+    for k, v in tr.target.model.state_dict().items():
+        assert torch.equal(v, target_before[k]), f"target weight {k} changed"
+
+
 def test_evaluate_reports_metrics(pairs: PairSet) -> None:
     tr = _trainer(pairs)
     m = tr.evaluate()
