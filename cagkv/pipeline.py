@@ -168,6 +168,8 @@ class CAG:
         store: an open `cagkv.stores.CacheStore`.
         canonical: the canonical model name or folder (default: the store's, else smollm2-135m).
         dtype: dtype the models answer in (float32 by default; bfloat16 is about 2x faster).
+        device: where the models run: "cpu" (default), "cuda", "cuda:N" or "auto" (a GPU
+            where there is one). Stored blocks stay on the host and move to it per question.
         find_translator: `(canonical_fp, target_fp) -> Translator | None`; defaults to
             `cagkv.translate.find_translator` when that exists.
 
@@ -183,10 +185,14 @@ class CAG:
         canonical: str | None = None,
         dtype: torch.dtype | str = torch.float32,
         find_translator: Callable[[str, str], Any] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
+        from cagkv.models.loading import parse_device
+
         self.store = store
         self.canonical = canonical or _store_canonical(store) or DEFAULT_CANONICAL
         self.dtype = parse_dtype(dtype)
+        self.device = parse_device(device)
         self._find_translator = find_translator
         self._formats: dict[str, PromptFormat] = {}
         self._embedder_warm = False
@@ -361,7 +367,7 @@ class CAG:
         """A loaded model (cached per process by `cagkv.models.load`)."""
         from cagkv.models import load
 
-        return load(name, dtype=self.dtype)
+        return load(name, dtype=self.dtype, device=self.device)
 
     def _check_tokenizer(self) -> None:
         """Stored blocks hold canonical token ids: refuse a canonical tokenizer the store did

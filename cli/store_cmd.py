@@ -132,6 +132,7 @@ def ask_cmd(
              "Default: cagkv.refresh.DEFAULT_SCORING.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
+    device: str = typer.Option("cpu", "--device", help="Where the models run: cpu, cuda, cuda:N or auto (a GPU if there is one)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (answer, target, mode, sources, timings_ms)."),
@@ -146,7 +147,7 @@ def ask_cmd(
         raise UsageError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
     if not question.strip():
         raise UsageError("empty question: ask something")
-    cag = CAG.open(store, db, dtype=dtype)  # the engine checks the canonical tokenizer before using stored blocks
+    cag = CAG.open(store, db, dtype=dtype, device=device)  # the engine checks the canonical tokenizer before using stored blocks
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay,
               "refresh": refresh}
     if refresh_scoring is not None:

@@ -1,7 +1,7 @@
 """Load a model by zoo name, local folder or hub id: model, tokenizer, spec, fingerprint.
 
 Loaded models are cached per process, keyed by (resolved path, dtype, attention
-implementation), so every module that asks for the same model shares one copy.
+implementation, device), so every module that asks for the same model shares one copy.
 Parameters are frozen (`requires_grad=False`) and the model is in eval mode. Nothing is
 printed (a zoo model that is not pulled yet is pulled first, with progress on stderr).
 
@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from cagkv.errors import ModelNotFoundError
+from cagkv.errors import ModelNotFoundError, UsageError
 from cagkv.models import zoo
 from cagkv.models.fingerprint import folder_fingerprint, model_fingerprint
 from cagkv.models.spec import SUPPORTED_FAMILIES, ModelSpec
@@ -47,26 +47,50 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-_CACHE: dict[tuple[str, str, str | None], LoadedModel] = {}
+_CACHE: dict[tuple[str, str, str | None, str], LoadedModel] = {}
 _LOCK = threading.Lock()
+
+
+def parse_device(device: torch.device | str | None) -> torch.device:
+    """None / "cpu" / "cuda" / "cuda:N" / "auto" (the first GPU where there is one, else the
+    CPU) -> a device this process can use; a GPU asked for where there is none is a UsageError."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"unknown device {device!r}: expected cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {device!r} asked for, but this torch sees no CUDA GPU (use cpu or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type != "cpu":
+        raise UsageError(f"device {device!r}: cagkv runs on cpu or cuda")
+    return dev
 
 
 def load(
     name_or_path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
+    device: torch.device | str | None = None,
 ) -> LoadedModel:
-    """Load (or fetch from the per-process cache) a zoo model, a local folder or a hub id."""
+    """Load (or fetch from the per-process cache) a zoo model, a local folder or a hub id,
+    on `device` (default the CPU; see `parse_device`)."""
     target = zoo.resolve(name_or_path)
-    key = (target, str(dtype), attn_implementation)
+    dev = parse_device(device)
+    key = (target, str(dtype), attn_implementation, str(dev))
     with _LOCK:
         if key not in _CACHE:
-            _CACHE[key] = _load(str(name_or_path), target, dtype, attn_implementation)
+            _CACHE[key] = _load(str(name_or_path), target, dtype, attn_implementation, dev)
         return _CACHE[key]
 
 
 def unload(name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> None:
-    """Forget one loaded model (every attention implementation of it) in this process."""
+    """Forget one loaded model (every attention implementation and device of it) in this process."""
     target = zoo.resolve(name_or_path) if str(name_or_path) not in zoo.ZOO else str(zoo.model_path(str(name_or_path)))
     with _LOCK:
         for key in [k for k in _CACHE if k[0] == target and k[1] == str(dtype)]:
@@ -100,7 +124,8 @@ def _quiet() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load(asked: str, target: str, dtype: torch.dtype, attn: str | None) -> LoadedModel:
+def _load(asked: str, target: str, dtype: torch.dtype, attn: str | None,
+          device: torch.device = torch.device("cpu")) -> LoadedModel:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     local = Path(target).is_dir()
@@ -121,6 +146,8 @@ def _load(asked: str, target: str, dtype: torch.dtype, attn: str | None) -> Load
         raise ModelNotFoundError(f"cannot load model {asked!r} from {where}: {first}") from err
     model.eval()
     model.requires_grad_(False)
+    if device.type != "cpu":
+        model.to(device)
     spec = ModelSpec.from_config(config, tokenizer) if causal else None
     return LoadedModel(
         model=model,

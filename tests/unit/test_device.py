@@ -134,3 +134,22 @@ def test_refresh_scoring_on_gpu_matches_cpu() -> None:
         logits.append(out)
     assert chosen[0] == chosen[1] and chosen[0]
     close(logits[1], logits[0])
+
+
+def test_engine_on_gpu_answers_as_on_cpu(tmp_path) -> None:
+    """`CAG(device="cuda")` end to end: canonical and native answers equal the CPU engine's."""
+    from engine_helpers import make_model_dir
+
+    from cagkv.ingest import ingest
+
+    model = str(make_model_dir(tmp_path / "m", "llama", chat=True))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper lived on the island for thirty years. Every night he lit the lamp.")
+    ingest([str(doc)], tmp_path / "store", canonical=model, dtype="float32", embedder="hash-64", progress=False)
+    question = "How long did the keeper live there?"
+    for mode in ("canonical", "native"):
+        cpu = CAG.open(str(tmp_path / "store")).ask(question, mode=mode, max_new_tokens=8)
+        gpu_cag = CAG.open(str(tmp_path / "store"), device="cuda")
+        gpu = gpu_cag.ask(question, mode=mode, max_new_tokens=8)
+        assert gpu_cag.model(model).device.type == "cuda"
+        assert gpu.token_ids == cpu.token_ids, mode

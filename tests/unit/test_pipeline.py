@@ -90,6 +90,21 @@ def test_canonical_equals_native_prefill_for_one_chunk(tmp_path, models, family)
                                atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
+def test_engine_device_is_parsed_and_models_load_there(tmp_path, models, monkeypatch):
+    from cagkv.models import load
+    from cagkv.models.loading import parse_device
+
+    _, cag = make_store(tmp_path, models["llama"], [DOC_A])
+    assert cag.device == torch.device("cpu") and cag.model(models["llama"]).device == torch.device("cpu")
+    assert CAG.open(str(tmp_path / "store"), device="cpu").model(models["llama"]) is load(models["llama"], device="cpu")
+    assert parse_device(None) == parse_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse_device("auto") == torch.device("cpu")
+    for bad, why in (("cuda", "no CUDA GPU"), ("cuda:0", "no CUDA GPU"), ("tpu", "unknown device"), ("meta", "cpu or cuda")):
+        with pytest.raises(UsageError, match=why):
+            CAG.open(str(tmp_path / "store"), device=bad)
+
+
 def test_multi_chunk_assembly_matches_independent_prefill(tmp_path, models):
     # Two chunks prefilled independently: equal to a native prefill where chunk 2 cannot see chunk 1.
     report, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
