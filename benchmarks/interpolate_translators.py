@@ -9,7 +9,9 @@ E37 in docs/EXPERIMENTS.md.
 
 A may have one expert per group where B, a continuation grown from it (`--init A --experts
 N`), has N: A is then read as its upcycled form (its expert copied N times, under B's router,
-which does not change what A computes), so the two share one shape (E57).
+which does not change what A computes), so the two share one shape (E57). Likewise B may
+read the target's residual stream (`native_below`, E66) where A does not: A is read with that
+projection at zero, where B's training started.
 
 With `--probe PAIRS` (a pair folder with heldout/) the card's held-out quality is measured
 again for the new weights, as `cagkv train` measures it (`Trainer.evaluate`), so `auto`'s
@@ -56,14 +58,26 @@ def interpolate(a: torch.nn.Module, b: torch.nn.Module, t: float) -> dict[str, t
 
 
 def upcycled_like(a: MoTTranslator, b: MoTTranslator) -> MoTTranslator:
-    """`a` (one expert per group) in `b`'s shape: each expert copied into all of `b`'s, `b`'s routers."""
+    """`a` in `b`'s shape, computing what `a` computes: one expert per group copied into all of
+    `b`'s (under `b`'s routers), and/or `b`'s projection of the target's residual stream
+    (`native_below`, E66) at zero, as a continuation given one starts."""
     cfg_a, cfg_b = a.cfg, b.cfg
-    if cfg_a.experts != 1 or dataclasses.replace(cfg_b, experts=1, top_k=1) != cfg_a:
-        raise ValueError("the two translators have different configs (beyond A's one expert grown to B's several)")
+    grows_experts = cfg_a.experts != cfg_b.experts
+    same_rest = dataclasses.replace(cfg_b, experts=cfg_a.experts, top_k=cfg_a.top_k,
+                                    native_below=cfg_a.native_below) == cfg_a
+    if not same_rest or (grows_experts and cfg_a.experts != 1) or cfg_a.native_below not in (0, cfg_b.native_below):
+        raise ValueError("the two translators have different configs (beyond A's one expert grown to B's several, "
+                         "or B's native_below)")
     grown = MoTTranslator(cfg_b)
     state = grown_state(grown, a.state_dict())
-    state.update({name: v for name, v in b.state_dict().items() if ".router." in f".{name}"})
-    grown.load_state_dict(state)
+    if grows_experts:
+        state.update({name: v for name, v in b.state_dict().items() if ".router." in f".{name}"})
+    missing, _ = grown.load_state_dict(state, strict=False)
+    if set(missing) - {"res_proj"}:
+        raise ValueError(f"A's weights do not fill B's shape: {sorted(missing)[:3]}")
+    if "res_proj" in missing:
+        with torch.no_grad():
+            grown.res_proj.zero_()
     return grown.train(False)
 
 

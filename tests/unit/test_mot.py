@@ -249,3 +249,23 @@ def test_a_single_expert_interpolates_with_its_upcycled_continuation() -> None:
     assert torch.equal(grown.router[0].weight, b.router[0].weight)
     with pytest.raises(ValueError, match="different configs"):
         upcycled_like(a, MoTTranslator(MoTConfig.from_dict({**cfg.to_dict(), "experts": 3, "d_model": 16})))
+
+
+def test_a_translator_interpolates_with_its_native_below_continuation() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from interpolate_translators import interpolate, upcycled_like
+
+    cfg = MoTConfig(4, 8, 5, 1, 8, 12, layer_map(4, 5, 1), d_model=8, d_expert=8, experts=1, top_k=1, tgt_hidden=12)
+    torch.manual_seed(0)
+    a = MoTTranslator(cfg).eval()
+    b = MoTTranslator(MoTConfig.from_dict({**cfg.to_dict(), "native_below": 2})).eval()
+    with torch.no_grad():
+        b.res_proj.normal_()
+    a_like = upcycled_like(a, b)
+    src, emb, res = torch.randn(1, 6, len(cfg.used_src) * 2 * 8), torch.randn(1, 6, 12), torch.randn(1, 6, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(a_like(src, emb, residual=res).y, a(src, emb).y)  # the projection at zero
+        half = interpolate(a_like, b, 0.5)
+    torch.testing.assert_close(half["res_proj"], b.res_proj / 2)
+    with pytest.raises(ValueError, match="different configs"):
+        upcycled_like(b, a)
