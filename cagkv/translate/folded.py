@@ -20,8 +20,7 @@ take the source normalisation into their weights too, and multiply in the folded
 
 What stays outside: the sequence mixing and experts (not linear), layer 0 (computed exactly
 from the embeddings), the target's k-norm itself (a division by the key's length) and the
-learned key scales. Translators with `layer_streams` or `native_below` are not folded
-(`FoldedMoT.supports`).
+learned key scales. Translators with `layer_streams` are not folded (`FoldedMoT.supports`).
 
 Example:
     >>> folded = FoldedMoT(mot, TargetSide(target.model), torch.bfloat16)
@@ -48,7 +47,7 @@ class FoldedMoT:
 
     def __init__(self, mot: MoTTranslator, ts: TargetSide, dtype: torch.dtype = torch.float32) -> None:
         if not self.supports(mot):
-            raise ValueError("translators with layer_streams or native_below are not folded")
+            raise ValueError("translators with layer_streams are not folded")
         cfg = mot.cfg
         self.mot, self.ts, self.dtype = mot, ts, dtype
         with torch.no_grad():
@@ -64,7 +63,7 @@ class FoldedMoT:
 
     @staticmethod
     def supports(mot: MoTTranslator) -> bool:
-        return not mot.cfg.layer_streams and not mot.cfg.native_below
+        return not mot.cfg.layer_streams
 
     def _fold_layers(self, inv_std: torch.Tensor, shift: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -124,14 +123,15 @@ class FoldedMoT:
         return out
 
     @torch.no_grad()
-    def kv(self, inputs: TranslateInputs, emb: torch.Tensor, out_dtype: torch.dtype = torch.float32
-           ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    def kv(self, inputs: TranslateInputs, emb: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+           residual: torch.Tensor | None = None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Keys and values `[L, H, T_b, D]` (position-free, `out_dtype`) of each block of
         `inputs`, and the groups' states `[G, B, T, d]` (`MoTOutput.hidden`, which expert-fed
-        replay heads read); `emb` `[B, T, E]` float32 target embeddings of its ids."""
+        replay heads read); `emb` `[B, T, E]` float32 target embeddings of its ids; `residual`
+        the target's residual stream for `native_below` translators (`MoTTranslator.forward`)."""
         mot, cfg, ts = self.mot, self.mot.cfg, self.ts
         src = inputs.src.to(self.dtype)  # once: the groups' projections and the design read it
-        h, _, _ = mot.mixture(src, emb, inputs.mask, in_proj=self.in_proj)
+        h, _, _ = mot.mixture(src, emb, inputs.mask, in_proj=self.in_proj, residual=residual)
         g, b, t = h.shape[:3]
         # the mixture ran on the padded batch (its sequence mixing needs it); everything after
         # is per token, so it runs on the real tokens only, block after block

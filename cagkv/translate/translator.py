@@ -294,7 +294,7 @@ class Translator:
                 residual[i, :n] = lower[i][0][0].float()
             self.last_replay_ms = (time.perf_counter() - t0) * 1000
         if self._uses_folded():
-            kv, hidden = self._folded(target, ts).kv(inputs, emb, out_dtype=dtype)
+            kv, hidden = self._folded(target, ts).kv(inputs, emb, out_dtype=dtype, residual=residual)
         else:
             out = (self.model(inputs.src, emb, inputs.mask) if residual is None
                    else self.model(inputs.src, emb, inputs.mask, residual))

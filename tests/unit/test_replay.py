@@ -113,7 +113,7 @@ def test_native_below_layers_are_the_targets_own_and_the_rest_reads_its_residual
     plain = _translator(src, tgt)
     plain.set_linear_path(torch.float32, folded=False)  # the graph the native_below translator runs
     floor = _translator(src, tgt, native_below=2)
-    assert not FoldedMoT.supports(floor.model)
+    floor.set_linear_path(torch.float32, folded=False)
     assert not MoTTranslator(floor.model.cfg).res_proj.any()  # a new projection starts at zero
     missing, unexpected = floor.model.load_state_dict(plain.model.state_dict(), strict=False)
     assert missing == ["res_proj"] and not unexpected
@@ -132,6 +132,11 @@ def test_native_below_layers_are_the_targets_own_and_the_rest_reads_its_residual
         floor.model.res_proj.normal_(0, 0.5)
     moved = floor.translate(block, tgt)
     assert torch.equal(moved.keys[:2], out.keys[:2]) and not torch.allclose(moved.keys[2:], out.keys[2:])
+    floor.set_linear_path(torch.float32)  # the folded inference form reads the residual too
+    assert FoldedMoT.supports(floor.model)
+    folded = floor.translate(block, tgt)
+    torch.testing.assert_close(folded.keys, moved.keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(folded.values, moved.values, atol=1e-4, rtol=1e-4)
     # the residual is the target's own: a translator reading it sees the chunk's other blocks' nothing,
     # so translating two blocks together gives each what it gets alone
     pair = floor.translate_many([block, chunk_block(src, CORPUS[1])], tgt)
