@@ -37,6 +37,8 @@ def eval_command(
     dtype: str = typer.Option("float32", "--dtype", help="dtype the target answers in (float32, bfloat16)."),
     ingest_dtype: str = typer.Option("float32", "--ingest-dtype",
                                      help="dtype of the canonical prefill at ingest."),
+    device: str = typer.Option("cpu", "--device",
+                               help="Where the models answer: cpu, cuda, cuda:N or auto (ingest runs on the CPU)."),
     embedder: str = typer.Option(None, "--embedder", help="Embedder of the eval store (default minilm-l6)."),
     store: str = typer.Option(None, "--store", help="Keep the evaluation store here (default: temporary)."),
     out: str = typer.Option(None, "--out", help="Results JSON (a rerun resumes from it)."),
@@ -64,7 +66,7 @@ def eval_command(
         limit=limit, seed=seed, max_context_chars=max_context_chars, retrieval=retrieval, top_k=top_k,
         max_new_tokens=max_new_tokens,
         replay=replay, chunk_tokens=chunk_tokens, kl_text=kl_text, kl_windows=kl_windows,
-        dtype=dtype, ingest_dtype=ingest_dtype, embedder=embedder, out=out, markdown=markdown, store=store,
+        dtype=dtype, ingest_dtype=ingest_dtype, device=device, embedder=embedder, out=out, markdown=markdown, store=store,
         command=command_line(),
     )
     report = run_eval(config, progress=progress)

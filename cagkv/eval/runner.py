@@ -70,6 +70,7 @@ class EvalConfig:
     kl_context_tokens: int = 192
     kl_continuation_tokens: int = 48
     dtype: str = "float32"  # the target answers in this dtype (the engine's default)
+    device: str = "cpu"  # where the engine runs the models (`CAG(device=)`); ingest stays on the CPU
     # canonical prefill at ingest: float32 here (exact, and bf16 matmuls are slow on this CPU);
     # `cagkv ingest` defaults to bfloat16
     ingest_dtype: str = "float32"
@@ -104,6 +105,9 @@ class EvalConfig:
             raise UsageError(f"--modes: duplicate mode in {','.join(self.modes)}")
         if "auto" in self.modes:
             raise UsageError("--modes: 'auto' is not a fixed mode; name the modes to compare")
+        from cagkv.models.loading import parse_device
+
+        self.device = str(parse_device(self.device))  # "auto" resolved: the header says where rows ran
 
     def header(self) -> dict[str, Any]:
         """Settings a resumed run must share with the rows it reuses. Not limit, modes or
@@ -113,6 +117,8 @@ class EvalConfig:
                 "kl_continuation_tokens")
         head = {k: getattr(self, k) for k in keys}
         head["dataset"] = str(Path(self.dataset).name)
+        if self.device != "cpu":  # files written before the option (all on the CPU) still resume
+            head["device"] = self.device
         return head
 
 
@@ -272,7 +278,7 @@ class ModeRunner:
 
             base = self.engine
             self._variants[mode] = CAG(base.store, canonical=base.canonical, dtype=base.dtype,
-                                       find_translator=_artifact_loader(path))
+                                       find_translator=_artifact_loader(path), device=base.device)
         return self._variants[mode], engine_mode, variant
 
     def prepare(self, mode: str, question: str, document_ids: list[str] | None,
@@ -357,7 +363,7 @@ def answer_logprob(prepared: Any, answer: str) -> float:
     logits = continuation_logits(prepared, prompt + gold)  # [P + A, V]
     # the logits at position i predict token i + 1: the answer is predicted from P - 1 on
     logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [A, V]
-    picked = logp.gather(1, torch.tensor(gold).unsqueeze(1)).squeeze(1)  # [A]
+    picked = logp.gather(1, torch.tensor(gold, device=logp.device).unsqueeze(1)).squeeze(1)  # [A]
     return float(picked.mean())
 
 
@@ -485,7 +491,8 @@ def default_engine_factory(config: EvalConfig) -> Callable[[Any], CAG]:
     def make(store: Any) -> CAG:
         from cagkv.pipeline import CAG
 
-        return CAG(store, canonical=config.canonical, dtype=config.dtype, find_translator=_cached_finder())
+        return CAG(store, canonical=config.canonical, dtype=config.dtype, find_translator=_cached_finder(),
+                   device=config.device)
 
     return make
 
@@ -575,7 +582,7 @@ def _run_config(config: EvalConfig, header: dict[str, Any], started: str, commit
         "retrieval": config.retrieval,
         "command": config.command,
         "commit": commit,
-        "machine": machine_description(),
+        "machine": machine_description(config.device),
         "started": started,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -607,17 +614,21 @@ def git_commit() -> str | None:
         return None
 
 
-def machine_description() -> str:
+def machine_description(device: str = "cpu") -> str:
     """The CPU, torch version, thread count and the translators' linear-path dtype a report
-    was measured with (in the folded inference form, `cagkv.translate.folded`, since E56)."""
+    was measured with (in the folded inference form, `cagkv.translate.folded`, since E56),
+    and the GPU when the models ran on one."""
     import torch
 
+    from cagkv.models.loading import parse_device
     from cagkv.translate.translator import linear_path_dtype
 
     cpus = os.cpu_count()
     linear = str(linear_path_dtype()).removeprefix("torch.")
-    return (f"{platform.machine()} {cpus}-core CPU, torch {torch.__version__}, "
+    text = (f"{platform.machine()} {cpus}-core CPU, torch {torch.__version__}, "
             f"{torch.get_num_threads()} thread(s), translator linear path {linear}, folded")
+    dev = parse_device(device)
+    return text if dev.type == "cpu" else f"{text}; models on {torch.cuda.get_device_name(dev)}"
 
 
 def command_line() -> str:

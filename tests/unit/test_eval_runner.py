@@ -251,6 +251,20 @@ def test_other_settings_refuse_to_resume(tmp_path):
         PartialResults.open(path, {"seed": 1})
 
 
+def test_device_is_resolved_checked_and_kept_out_of_cpu_headers(dataset, models, tmp_path, monkeypatch):
+    cpu = config(dataset, models, tmp_path)
+    assert cpu.device == "cpu" and "device" not in cpu.header()  # earlier result files still resume
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert config(dataset, models, tmp_path, device="auto").header() == cpu.header()
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        config(dataset, models, tmp_path, device="cuda")
+    with pytest.raises(UsageError, match="unknown device"):
+        config(dataset, models, tmp_path, device="gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert config(dataset, models, tmp_path, device="cuda").header()["device"] == "cuda"
+
+
 class PrefillTranslator:
     """A perfect 'translator': the target's own prefill of the block's text."""
 
