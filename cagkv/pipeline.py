@@ -50,6 +50,7 @@ import torch
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
+from cagkv.models.layers import forward_at
 from cagkv.prompt import PromptFormat
 from cagkv.refresh import DEFAULT_SCORING, SCORINGS, feed
 from cagkv.stores.records import ChunksChangedError
@@ -670,13 +671,7 @@ def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int) ->
     """One forward of `ids` at positions start.. into `cache` (a new one when None)."""
     if not ids:
         raise UsageError("empty prompt")
-    device = loaded.device
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # [1, T]
-    positions = torch.arange(start, start + len(ids), dtype=torch.long, device=device)[None]  # [1, T]
-    kwargs: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1, "position_ids": positions}
-    if cache is not None:
-        kwargs["cache"] = cache
-    return loaded.model(input_ids=input_ids, **kwargs)
+    return forward_at(loaded.model, ids, start, cache)
 
 
 def _has_separator(block: KVBlock, sep: list[int]) -> bool:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from cagkv.models.cache import full_copy, layer_span
-from cagkv.models.layers import decoder_of, layer_types, run_layers
+from cagkv.models.layers import decoder_of, forward_at, layer_types, run_layers
 
 __all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
            "contrast", "pool", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
@@ -132,11 +132,8 @@ def draft_answer(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]
     work = copy.deepcopy(cache)
     ids, position, drafted = list(prompt_ids), n, []
     stops = set(stop_ids)
-    device = next(model.parameters()).device
     for _ in range(count):
-        positions = (position + torch.arange(len(ids), device=device))[None]
-        logits = model(input_ids=torch.tensor([ids], device=device), cache=work, position_ids=positions, use_cache=True,
-                       logits_to_keep=1).logits[0, -1]
+        logits = forward_at(model, ids, position, work).logits[0, -1]
         position += len(ids)
         token = int(torch.argmax(logits))
         if token in stops:
@@ -228,10 +225,7 @@ def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[i
     if not ids:
         raise ValueError("no tokens to feed")
     if not stale:
-        device = next(model.parameters()).device
-        positions = (n + torch.arange(len(ids), device=device))[None]
-        out = model(input_ids=torch.tensor([ids], device=device), cache=cache, position_ids=positions, use_cache=True,
-                    logits_to_keep=keep)
+        out = forward_at(model, ids, n, cache, keep)
         return out.cache, out.logits[0]
     from cagkv.models.cache import full_cache, model_layout
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types"]
+__all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at"]
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -59,6 +59,18 @@ def _rotary(inner: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kin
         return {kind: rot(hidden, positions, kind) for kind in kinds}
     shared = rot(hidden, positions)
     return {kind: shared for kind in kinds}
+
+
+def forward_at(model: nn.Module, ids: Any, start: int, cache: Any = None, keep: int = 1) -> Any:
+    """The model's own forward of token `ids` at positions start.. into `cache` (a new one
+    when None), on the model's device; `keep`: the last positions whose logits are computed
+    (0: all). Returns the model's output (`.logits [1, keep or T, V]`, `.cache`)."""
+    device = next(model.parameters()).device
+    positions = (start + torch.arange(len(ids), device=device))[None]  # [1, T]
+    kwargs: dict[str, Any] = {"use_cache": True, "logits_to_keep": keep, "position_ids": positions}
+    if cache is not None:
+        kwargs["cache"] = cache
+    return model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device), **kwargs)
 
 
 def run_layers(
