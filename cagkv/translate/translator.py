@@ -353,6 +353,7 @@ class Translator:
     def _prefix(self, target: LoadedModel) -> tuple[Any, int]:
         """The target's own context-prefix cache (computed once per target), and its length."""
         from cagkv.models.cache import full_cache
+        from cagkv.models.layers import forward_at
         from cagkv.prompt import PromptFormat
 
         key = (target.fingerprint, str(target.dtype))
@@ -360,7 +361,7 @@ class Translator:
             ids = PromptFormat.for_model(target).context_prefix_ids()
             cache = full_cache()
             if ids:
-                target.model(input_ids=torch.tensor([ids], device=target.device), cache=cache, use_cache=True, logits_to_keep=1)
+                forward_at(target.model, ids, 0, cache)
             self._prefixes[key] = (cache, len(ids))
         return self._prefixes[key]
 
