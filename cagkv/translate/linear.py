@@ -45,7 +45,10 @@ class LinearTranslator(MoTTranslator):
         ones = torch.ones(*src.shape[:-1], 1)
         return torch.cat([x.index_select(-1, self.layer_cols[i]), e, ones], -1)
 
-    def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None) -> MoTOutput:
+    def forward(self, src: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> MoTOutput:
+        if residual is not None:
+            raise ValueError("the linear map reads no residual stream (native_below is a mixture option)")
         ys = [self.design(src, emb, i) @ w for i, w in enumerate(self.ridge_w)]  # each [B, T, 2kv]
         y = torch.stack(ys, 1)  # [B, Lt, T, 2kv]
         zero = y.new_zeros(())

@@ -207,7 +207,7 @@ class Trainer:
         with torch.no_grad():
             emb = self.ts.embed(bt["ids"]).float()
             residual = self.lower_residual(bt, emb) if below else None
-        out = self.mot(bt["src"], emb, bt["mask"]) if residual is None else self.mot(bt["src"], emb, bt["mask"], residual)
+        out = self.mot(bt["src"], emb, bt["mask"], residual)
         keys, values = assemble_kv(self.mot, self.ts, out, emb)
         if below:  # the layers the target computes itself: its native K/V (the pairs hold them)
             keys = torch.cat([self.native_keys(bt)[:, :below].to(keys.dtype), keys[:, below:]], 1)

@@ -296,8 +296,7 @@ class Translator:
         if self._uses_folded():
             kv, hidden = self._folded(target, ts).kv(inputs, emb, out_dtype=dtype, residual=residual)
         else:
-            out = (self.model(inputs.src, emb, inputs.mask) if residual is None
-                   else self.model(inputs.src, emb, inputs.mask, residual))
+            out = self.model(inputs.src, emb, inputs.mask, residual)
             keys, values = assemble_kv(self.model, ts, out, emb.to(dtype))
             kv = [(keys[i, :, :, :n].to(dtype).contiguous(), values[i, :, :, :n].to(dtype).contiguous())
                   for i, n in enumerate(inputs.lengths)]
