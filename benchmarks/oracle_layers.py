@@ -14,7 +14,9 @@ Hybrids (`--splits`, default all): `g<i>` one translator layer group native; `lo
 native (any layer set); token sets, every layer's K and V native at a third of the chunk's
 tokens (`--token-splits`): `tfirst` / `tlast` the first / last third, `tq` the third the
 question attends to most over the translated cache (known at question time), `tqn` the
-same chosen over the native cache (an oracle choice). Prints a table and writes per-question rows plus recoveries with paired
+same chosen over the native cache (an oracle choice), `terr` the third whose translated K/V
+are furthest from native (summed over layers, each layer's squared error over its native
+mean square; an oracle), `tqerr` that error times the question's attention (an oracle). Prints a table and writes per-question rows plus recoveries with paired
 bootstrap intervals (`--out`).
 
 Example (the same 300 SQuAD questions and store as docs/results/squad300_smollm2_qwen25.json):
@@ -92,7 +94,20 @@ def hybrid(translated: Any, native: Any, layers: list[int], part: str) -> Any:
     return out
 
 
-TOKEN_SPLITS = ("tfirst", "tlast", "tq", "tqn")
+TOKEN_SPLITS = ("tfirst", "tlast", "tq", "tqn", "terr", "tqerr")
+
+
+def translation_error(translated: Any, native: Any, start: int) -> torch.Tensor:
+    """Per chunk position (from `start`): the translated K and V's squared error against native,
+    each layer's error over the mean native squared norm of its chunk tokens, summed over layers."""
+    end = translated.next_position
+    total = torch.zeros(end - start)
+    for tr_layer, nat_layer in zip(translated.cache.layers, native.cache.layers):
+        for tr, nat in ((tr_layer.keys, nat_layer.keys), (tr_layer.values, nat_layer.values)):
+            nat_chunk = nat[0, :, start:end].float()
+            error = (tr[0, :, start:end].float() - nat_chunk).pow(2).sum(dim=(0, 2))
+            total += error / nat_chunk.pow(2).sum(dim=(0, 2)).mean()
+    return total
 
 
 def token_positions(split: str, translated: Any, native: Any, start: int, fraction: float) -> list[int]:
@@ -103,6 +118,12 @@ def token_positions(split: str, translated: Any, native: Any, start: int, fracti
         return list(range(start, start + count))
     if split == "tlast":
         return list(range(end - count, end))
+    if split in ("terr", "tqerr"):
+        score = torch.zeros(end)
+        score[start:] = translation_error(translated, native, start)
+        if split == "tqerr":  # error where the question reads
+            score *= question_attention(translated.target.model, translated.cache, end, translated.prompt_ids)
+        return top_positions(score, range(start, end), fraction)
     chooser = translated if split == "tq" else native
     mass = question_attention(chooser.target.model, chooser.cache, chooser.next_position, chooser.prompt_ids)
     return top_positions(mass, range(start, end), fraction)
