@@ -117,6 +117,7 @@ def ingest(
     embedder: str | None = None,
     progress: bool = True,
     stdin: Any = None,
+    device: torch.device | str | None = None,
 ) -> IngestReport:
     """Ingest files, folders (recursive) or "-" (stdin) into the store at `store`.
 
@@ -129,28 +130,32 @@ def ingest(
         canonical: canonical model name or folder (default: the store's, else smollm2-135m).
         chunk_tokens: token budget per chunk (canonical tokens, sentence boundaries).
         batch_size: chunks per prefill forward.
-        dtype: prefill (and stored block) dtype: "auto" = bfloat16 where the CPU computes it
-            natively (AVX512-BF16 / AMX), else float32 (bf16 is ~5x slower than fp32 on an
-            AVX2-only CPU); "bfloat16" or "float32" to force one.
+        dtype: prefill (and stored block) dtype: "auto" = bfloat16 on a GPU or where the CPU
+            computes it natively (AVX512-BF16 / AMX), else float32 (bf16 is ~5x slower than
+            fp32 on an AVX2-only CPU); "bfloat16" or "float32" to force one.
         max_bytes: per-file size limit (default 20 MiB or $CAGKV_MAX_FILE_BYTES).
         db_url: SQLAlchemy URL for the catalog (default SQLite inside the store).
         embedder: embedder name for a new store (default minilm-l6; "hash-64" for tests).
         progress: show a progress bar on stderr.
+        device: where the canonical model prefills: "cpu" (default), "cuda", "cuda:N" or
+            "auto" (`cagkv.models.loading.parse_device`); blocks are stored from the host.
     """
     from cagkv.models import load
+    from cagkv.models.loading import parse_device
 
     if chunk_tokens < 8:
         raise UsageError(f"--chunk-tokens must be at least 8, got {chunk_tokens}")
     if batch_size < 1:
         raise UsageError(f"batch size must be at least 1, got {batch_size}")
-    torch_dtype = parse_dtype(dtype)
+    dev = parse_device(device)
+    torch_dtype = parse_dtype(dtype, dev)
     sources = collect_sources(paths, max_bytes=max_bytes, stdin=stdin)
     store_path = Path(store or default_store_path()).expanduser()
     if canonical and Path(canonical).expanduser().is_dir():  # a folder: recorded by absolute path
         canonical = str(Path(canonical).expanduser().resolve())
     canonical = canonical or _existing_canonical(store_path, db_url) or DEFAULT_CANONICAL
     _check_store_canonical(store_path, db_url, canonical)
-    loaded = load(canonical, dtype=torch_dtype)
+    loaded = load(canonical, dtype=torch_dtype, device=dev)
     from cagkv.models.fingerprint import tokenizer_hash
     from cagkv.stores import CacheStore
 
@@ -223,6 +228,7 @@ def ingest_text(
     dtype: torch.dtype | str = "auto",
     report: IngestReport | None = None,
     on_progress: Any = None,
+    device: torch.device | str | None = None,
 ) -> Any:
     """Store one document given as text; returns the store's AddResult (`.document_id`).
 
@@ -234,8 +240,8 @@ def ingest_text(
         metadata: JSON-serialisable, kept in the catalog.
         chunks: pre-split chunk texts (e.g. LlamaIndex nodes), used as they are; their
             spans are found in `text` in order. None: chunk by canonical tokens.
-        loaded: the canonical model (default: the store's canonical, loaded in `dtype`).
-            A store that recorded another canonical tokenizer is refused (StoreError).
+        loaded: the canonical model (default: the store's canonical, loaded in `dtype` on
+            `device`). A store that recorded another canonical tokenizer is refused (StoreError).
     """
     from cagkv.chunking import TextChunk, chunk_text
     from cagkv.models.fingerprint import tokenizer_hash
@@ -246,8 +252,10 @@ def ingest_text(
         raise InputError(f"empty document: {source}")
     if loaded is None:
         from cagkv.models import load
+        from cagkv.models.loading import parse_device
 
-        loaded = load(getattr(store, "canonical", None) or DEFAULT_CANONICAL, dtype=parse_dtype(dtype))
+        dev = parse_device(device)
+        loaded = load(getattr(store, "canonical", None) or DEFAULT_CANONICAL, dtype=parse_dtype(dtype, dev), device=dev)
     store.check_tokenizer(tokenizer_hash(loaded.tokenizer), record=True)
     fmt = PromptFormat.for_model(loaded)
     if chunks is None:
@@ -309,14 +317,16 @@ def default_store_path() -> Path:
     return home() / "store"
 
 
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """"auto" / "bfloat16" / "bf16" / "float32" / "fp32" / "float16" / "fp16" -> torch dtype."""
+def parse_dtype(dtype: torch.dtype | str, device: torch.device | None = None) -> torch.dtype:
+    """"auto" / "bfloat16" / "bf16" / "float32" / "fp32" / "float16" / "fp16" -> torch dtype.
+    "auto" is bfloat16 on a GPU `device` and on a CPU with native bf16 (`fast_bf16`), else float32."""
     import torch
 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if fast_bf16() else torch.float32
+        on_gpu = device is not None and device.type != "cpu"
+        return torch.bfloat16 if on_gpu or fast_bf16() else torch.float32
     names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
              "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
     if dtype not in names:

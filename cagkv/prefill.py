@@ -69,7 +69,7 @@ def prefill_chunks(
             ids, offsets, block_text = encoded[i]
             t = len(ids)
             blocks[i] = KVBlock(
-                keys=keys[row][:, :, :t].contiguous(),  # [L, H, T, D]
+                keys=keys[row][:, :, :t].contiguous(),  # [L, H, T, D], on the model's device
                 values=values[row][:, :, :t].contiguous(),
                 token_ids=torch.tensor(ids, dtype=torch.long),
                 offsets=torch.tensor(offsets, dtype=torch.long).reshape(t, 2),  # [T, 2]

@@ -38,7 +38,7 @@ def eval_command(
     ingest_dtype: str = typer.Option("float32", "--ingest-dtype",
                                      help="dtype of the canonical prefill at ingest."),
     device: str = typer.Option("cpu", "--device",
-                               help="Where the models answer: cpu, cuda, cuda:N or auto (ingest runs on the CPU)."),
+                               help="Where the models run (ingest and answers): cpu, cuda, cuda:N or auto."),
     embedder: str = typer.Option(None, "--embedder", help="Embedder of the eval store (default minilm-l6)."),
     store: str = typer.Option(None, "--store", help="Keep the evaluation store here (default: temporary)."),
     out: str = typer.Option(None, "--out", help="Results JSON (a rerun resumes from it)."),

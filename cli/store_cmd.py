@@ -77,7 +77,7 @@ def ingest_cmd(
     chunk_tokens: int = typer.Option(256, "--chunk-tokens", min=8, help="Canonical tokens per chunk."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Chunks per prefill forward."),
     dtype: str = typer.Option(
-        "auto", "--dtype", help="Prefill dtype: auto (bfloat16 where the CPU has native bf16, else float32), bfloat16, float32."
+        "auto", "--dtype", help="Prefill dtype: auto (bfloat16 on a GPU or where the CPU has native bf16, else float32), bfloat16, float32."
     ),
     max_bytes: int | None = typer.Option(None, "--max-bytes", min=1, help="Per-file size limit (default 20 MiB)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
@@ -85,6 +85,7 @@ def ingest_cmd(
         None, "--embedder", envvar="CAGKV_EMBEDDER", help="Embedder of a new store: minilm-l6 (default) or hash-<dim>."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    device: str = typer.Option("cpu", "--device", help="Where the canonical model prefills: cpu, cuda, cuda:N or auto (a GPU if there is one)."),
 ) -> None:
     """Prefill documents once with the canonical model and store their KV caches.
 
@@ -95,7 +96,7 @@ def ingest_cmd(
     report = ingest(
         paths, store, canonical=canonical, chunk_tokens=chunk_tokens, batch_size=batch_size,
         dtype=dtype, max_bytes=max_bytes, db_url=db, embedder=embedder,
-        progress=not as_json and sys.stderr.isatty(),
+        progress=not as_json and sys.stderr.isatty(), device=device,
     )  # fmt: skip
     if as_json:
         _print_json(report.to_dict())

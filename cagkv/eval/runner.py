@@ -70,7 +70,7 @@ class EvalConfig:
     kl_context_tokens: int = 192
     kl_continuation_tokens: int = 48
     dtype: str = "float32"  # the target answers in this dtype (the engine's default)
-    device: str = "cpu"  # where the engine runs the models (`CAG(device=)`); ingest stays on the CPU
+    device: str = "cpu"  # where the models run: the engine (`CAG(device=)`) and the ingest
     # canonical prefill at ingest: float32 here (exact, and bf16 matmuls are slow on this CPU);
     # `cagkv ingest` defaults to bfloat16
     ingest_dtype: str = "float32"
@@ -205,7 +205,7 @@ def ingest_contexts(store: Any, texts: Sequence[str], config: EvalConfig, prefix
     from cagkv.ingest import ingest_text, parse_dtype
     from cagkv.models import load
 
-    loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype))
+    loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype), device=config.device)
     ids = []
     for text in _progress_iter(texts, f"ingest {prefix}", progress):
         # the source names the text by its hash, so a kept --store is reused safely
@@ -478,7 +478,7 @@ def default_store_factory(config: EvalConfig) -> Callable[[Path], Any]:
         from cagkv.models import load
         from cagkv.stores import CacheStore
 
-        loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype))
+        loaded = load(config.canonical, dtype=parse_dtype(config.ingest_dtype), device=config.device)
         return CacheStore.open(path, canonical=config.canonical, fingerprint=loaded.fingerprint,
                                embedder=config.embedder)
 

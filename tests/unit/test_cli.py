@@ -202,6 +202,8 @@ def test_usage_errors_of_the_commands(env, store, tmp_path):
     assert run("ask", "q", "--store", str(store), "--top-k", "0").exit_code == 2
     bad_device = run("ask", "q", "--store", str(store), "--device", "tpu")
     assert bad_device.exit_code == 2 and "unknown device" in bad_device.stderr
+    bad_ingest_device = run("ingest", str(tmp_path / "none.txt"), "--store", str(tmp_path / "s2"), "--device", "tpu")
+    assert bad_ingest_device.exit_code == 2 and "unknown device" in bad_ingest_device.stderr
     assert run("ask", "q", "--store", str(store), "--mode", "canonical", "--target", env["other"]).exit_code == 2
     assert run("ingest", "--store", str(store)).exit_code == 2  # no path
     missing = run("ask", "q", "--store", str(tmp_path / "no-store"))

@@ -153,3 +153,29 @@ def test_engine_on_gpu_answers_as_on_cpu(tmp_path) -> None:
         gpu = gpu_cag.ask(question, mode=mode, max_new_tokens=8)
         assert gpu_cag.model(model).device.type == "cuda"
         assert gpu.token_ids == cpu.token_ids, mode
+
+
+def test_ingest_on_gpu_stores_what_the_cpu_stores(tmp_path) -> None:
+    """`ingest(device="cuda")`: the stored blocks (read back on the host) equal a CPU ingest's."""
+    from engine_helpers import make_model_dir
+
+    from cagkv.ingest import ingest
+    from cagkv.stores import CacheStore
+
+    model = str(make_model_dir(tmp_path / "m", "gemma3_text"))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(CORPUS[:3]))
+    blocks = {}
+    for device in ("cpu", "cuda"):
+        ingest([str(doc)], tmp_path / device, canonical=model, dtype="float32", embedder="hash-64",
+               progress=False, device=device, chunk_tokens=32)
+        store = CacheStore.open(tmp_path / device, create=False)
+        try:
+            blocks[device] = store.load_blocks([h.chunk_id for d in store.list_documents() for h in store.chunks_of(d.id)])
+        finally:
+            store.close()
+    assert len(blocks["cuda"]) == len(blocks["cpu"]) > 1
+    for g, w in zip(blocks["cuda"], blocks["cpu"]):
+        assert g.keys.device.type == "cpu" and torch.equal(g.token_ids, w.token_ids)
+        close(g.keys, w.keys)
+        close(g.values, w.values)

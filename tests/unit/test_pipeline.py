@@ -105,6 +105,24 @@ def test_engine_device_is_parsed_and_models_load_there(tmp_path, models, monkeyp
             CAG.open(str(tmp_path / "store"), device=bad)
 
 
+def test_ingest_device_is_checked_before_anything_is_written(tmp_path, models, monkeypatch):
+    from cagkv.ingest import parse_dtype
+
+    (tmp_path / "doc.txt").write_text(DOC_A)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for bad, why in (("cuda", "no CUDA GPU"), ("tpu", "unknown device")):
+        with pytest.raises(UsageError, match=why):
+            ingest([str(tmp_path / "doc.txt")], tmp_path / "store", canonical=models["llama"], progress=False, device=bad)
+    assert not (tmp_path / "store").exists()
+    report = ingest([str(tmp_path / "doc.txt")], tmp_path / "store", canonical=models["llama"], dtype="float32",
+                    embedder="hash-64", progress=False, device="auto")  # no GPU: the CPU
+    assert report.documents == 1
+    # "auto" is bfloat16 on a GPU whatever the host CPU computes natively
+    assert parse_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert parse_dtype("auto", torch.device("cpu")) == parse_dtype("auto")
+    assert parse_dtype("float32", torch.device("cuda")) == torch.float32
+
+
 def test_multi_chunk_assembly_matches_independent_prefill(tmp_path, models):
     # Two chunks prefilled independently: equal to a native prefill where chunk 2 cannot see chunk 1.
     report, cag = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
