@@ -52,7 +52,7 @@ from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
 from cagkv.models.layers import forward_at
 from cagkv.prompt import PromptFormat
-from cagkv.refresh import DEFAULT_SCORING, SCORINGS, feed
+from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed
 from cagkv.stores.records import ChunksChangedError
 
 if TYPE_CHECKING:
@@ -290,6 +290,12 @@ class CAG:
             refresh = float(getattr(translator, "default_refresh", 0.0) or 0.0) if mode == "translate" else 0.0
             if refresh:
                 reason = "; ".join(r for r in (reason, f"refresh {refresh:g} (the translator card's default_refresh)") if r)
+        difficulty = None  # read before timing, and refused before any work when missing
+        if refresh and refresh_scoring in NEEDS_DIFFICULTY:
+            difficulty = getattr(translator, "difficulty", None)
+            if difficulty is None:
+                raise UsageError(f"refresh scoring {refresh_scoring!r} needs a translator with a difficulty table "
+                                 "(benchmarks/fit_difficulty.py writes one)")
         if mode in ("canonical", *TRANSLATED):
             self._check_tokenizer()
         fmt = self.prompt_format(target_model)
@@ -335,7 +341,7 @@ class CAG:
             with _timer(timings, "replay"):
                 neutral_ids = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
                 chosen = self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
-                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed)
+                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed, difficulty=difficulty)
             if self.fuse_feed:
                 stale.update(chosen)
         context = n + len(pending) - len(fmt.context_prefix_ids())
@@ -516,21 +522,31 @@ class CAG:
     def refresh(self, target: LoadedModel, cache: Any, n: int, prompt_ids: Sequence[int],
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
                 neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING,
-                stop_ids: Sequence[int] = (), defer: bool = False) -> dict[int, int]:
+                stop_ids: Sequence[int] = (), defer: bool = False,
+                difficulty: torch.Tensor | None = None) -> dict[int, int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
         position, block) that `prompt_ids` need most over `cache`, ranked by `scoring` (by
         default relative to what the question-agnostic `neutral_ids` attend to:
         `cagkv.refresh.score_positions`; "drafted" first drafts the answer's first tokens,
-        ending before `stop_ids`). Returns the chosen positions -> their token ids; with
+        ending before `stop_ids`; the difficulty scorings read the translator's expected error
+        per token id, `difficulty` `[V]`). Returns the chosen positions -> their token ids; with
         `defer` they are only chosen, for the question's forward to recompute (`Prepared.stale`)."""
-        from cagkv.refresh import draft_answer, refresh_tokens, score_positions, top_positions
+        from cagkv.refresh import NEEDS_DIFFICULTY, draft_answer, refresh_tokens, score_positions, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
             token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
         candidates = sorted(token_at)
         drafted = draft_answer(target.model, cache, n, prompt_ids, stop_ids=stop_ids) if scoring == "drafted" else []
-        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted)
+        expected = None
+        if scoring in NEEDS_DIFFICULTY:
+            if difficulty is None:
+                raise UsageError(f"refresh scoring {scoring!r} needs a translator with a difficulty table "
+                                 "(benchmarks/fit_difficulty.py writes one)")
+            expected = torch.zeros(n)
+            ids = torch.tensor([token_at[p] for p in candidates], dtype=torch.long)
+            expected[torch.tensor(candidates, dtype=torch.long)] = difficulty[ids.clamp_max(len(difficulty) - 1)].float()
+        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted, expected)
         chosen = top_positions(mass, candidates, fraction)
         if not defer:
             refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)

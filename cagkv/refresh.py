@@ -30,7 +30,7 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, forward_at, layer_types, run_layers
 
-__all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
+__all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
            "contrast", "pool", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
@@ -38,8 +38,11 @@ __all__ = ["SCORINGS", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_
 # contrast averaged over POOL_WIDTH neighbours, so spans rather than lone tokens are chosen (E44);
 # "averaged", contrast against the mean mass of several neutral prompts rather than one (E49);
 # "drafted", contrast of the question followed by the first answer tokens it gets from the
-# translated cache, which read where the answer is rather than where the question's words are (E58)
-SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted")
+# translated cache, which read where the answer is rather than where the question's words are (E58);
+# "difficulty", the translator's expected error for each token id (cagkv.translate.difficulty: no
+# question pass at all), and "contrast_difficulty", contrast times that expected error (E69)
+SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted", "difficulty", "contrast_difficulty")
+NEEDS_DIFFICULTY = ("difficulty", "contrast_difficulty")
 DEFAULT_SCORING = "contrast"  # measured: E43
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
@@ -145,14 +148,23 @@ def draft_answer(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]
 
 def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int],
                     neutral_ids: Sequence[Sequence[int]], candidates: Sequence[int],
-                    scoring: str = DEFAULT_SCORING, draft_ids: Sequence[int] = ()) -> torch.Tensor:
+                    scoring: str = DEFAULT_SCORING, draft_ids: Sequence[int] = (),
+                    difficulty: torch.Tensor | None = None) -> torch.Tensor:
     """How much `prompt_ids` need each cached position `[n]`, by `scoring` (one of SCORINGS):
     all prompts in one batched pass. `neutral_ids` are question-agnostic prompts in the same
     template; "contrast", "pooled" and "drafted" use the first, "averaged" all of them.
     "drafted" measures `prompt_ids + draft_ids` (`draft_answer`), its mass scaled to the
-    question's length so that the contrast's offset weighs as it does for the question alone."""
+    question's length so that the contrast's offset weighs as it does for the question alone.
+    "difficulty" and "contrast_difficulty" need `difficulty` `[n]`, the expected translation
+    error at each position (`cagkv.translate.difficulty`)."""
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}: expected one of {', '.join(SCORINGS)}")
+    if scoring in NEEDS_DIFFICULTY:
+        if difficulty is None or difficulty.shape != (n,):
+            raise ValueError(f"scoring {scoring!r} needs the expected error of each of the {n} positions")
+        if scoring == "difficulty":
+            return difficulty.float().cpu()
+        return score_positions(model, cache, n, prompt_ids, neutral_ids, candidates) * difficulty.float().cpu()
     if scoring == "attention":
         return prompt_attention(model, cache, n, [prompt_ids])[0]
     neutral = list(neutral_ids) if scoring == "averaged" else list(neutral_ids)[:1]

@@ -129,7 +129,9 @@ def ask_cmd(
              "(that attention over a neutral prompt's: skips the tokens every prompt reads) or pooled "
              "(contrast averaged over 5 neighbouring tokens: chooses spans) or averaged (contrast over "
              "the mean of several neutral prompts) or drafted (contrast of the question followed by "
-             "8 answer tokens drafted over the translated cache; measured worse on the needles, E61). "
+             "8 answer tokens drafted over the translated cache; measured worse on the needles, E61) or "
+             "difficulty (the translator's expected error per token, from its difficulty table; no "
+             "question pass) or contrast_difficulty (contrast times that expected error). "
              "Default: cagkv.refresh.DEFAULT_SCORING.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),

@@ -249,6 +249,16 @@ class Translator:
         return value if 0.0 <= value <= 1.0 else 0.0
 
     @property
+    def difficulty(self) -> torch.Tensor | None:
+        """Expected translation error per target token id `[V]` (1.0 = average), read once from
+        the artifact's `difficulty.safetensors` (`cagkv.translate.difficulty`); None without one."""
+        if not hasattr(self, "_difficulty"):
+            from cagkv.translate.difficulty import load_difficulty
+
+            self._difficulty = load_difficulty(self.path) if self.path else None
+        return self._difficulty
+
+    @property
     def replay_values(self) -> list[int]:
         """The `replay` values this translator supports: 0, one per replay head, and L."""
         n = self.model.cfg.tgt_layers

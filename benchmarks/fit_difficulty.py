@@ -1,0 +1,57 @@
+"""Fit a translator's difficulty table (expected K/V error per target token id) on paired chunks.
+
+Runs the translator over every chunk of a pair folder's `train/` split (what `cagkv train`
+built: the source's K/V and the target's own), measures each token's translation error
+(`cagkv.translate.difficulty.token_errors`) and averages it per target token id. The table
+lands beside the weights as `difficulty.safetensors`; refresh's "difficulty" and
+"contrast_difficulty" scorings read it. With `--out` the translator folder is copied there
+first (the shipped folder stays as it is).
+
+Example (E69, the reverse pair):
+    python benchmarks/fit_difficulty.py cagkv/translators/gemma3-270m__smollm2-135m \\
+        ~/.cache/cagkv/pairs/gemma3-270m__smollm2-135m__9fe7061cd069 --out ~/.cache/cagkv/runs/e69/rev_difficulty
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from cagkv.models import load
+from cagkv.translate import load_translator
+from cagkv.translate.difficulty import fit_difficulty, save_difficulty
+from cagkv.translate.pairs import PairSet
+from cagkv.translate.train import Trainer, TrainConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("translator", help="translator folder")
+    ap.add_argument("pairs", help="pair folder (with train/) for this translator's source and target")
+    ap.add_argument("--out", default="", help="copy the translator folder here and write the table there")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = Path(args.translator)
+    if args.out:
+        shutil.copytree(folder, args.out, dirs_exist_ok=True)
+        folder = Path(args.out)
+    translator = load_translator(folder)
+    card = translator.card
+    source, target = load(card["source"]["name"]), load(card["target"]["name"])
+    pairs = PairSet(Path(args.pairs).expanduser() / "train")
+    heldout = PairSet(Path(args.pairs).expanduser() / "heldout")
+    trainer = Trainer(source, target, pairs, heldout, TrainConfig(), mot=translator.model.train(False))
+    table = fit_difficulty(trainer, pairs, progress=True)
+    path = save_difficulty(table, folder)
+    seen = table["count"] > 0
+    d = table["difficulty"][seen]
+    print(f"{path}: {int(seen.sum())} token ids seen in {int(table['count'].sum())} tokens; "
+          f"difficulty of seen ids: min {float(d.min()):.2f}, median {float(d.median()):.2f}, max {float(d.max()):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Which target tokens a translator gets wrong: a per-token-id table of its expected K/V error.
+
+The translation error is not spread evenly over a chunk (docs/EXPERIMENTS.md E68): word
+pieces, digits and names are translated worse than function words, and making a third of
+the tokens exact closes most of the gap when that third is the one with the largest error.
+The error itself needs the native cache, so it cannot be measured at question time, but
+much of it is predicted by the target token alone. `fit_difficulty` runs a translator over
+paired chunks (what the target computes natively is in the pairs) and averages each token
+id's error, shrunk towards the mean for rare ids; `Translator.difficulty` reads the table
+back and refresh can rank chunk tokens by it (`cagkv.refresh`, scorings "difficulty" and
+"contrast_difficulty").
+
+Example:
+    >>> table = fit_difficulty(trainer, trainer.pairs)          # doctest: +SKIP
+    >>> save_difficulty(table, "my-translator/")                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cagkv.errors import TranslatorError
+
+if TYPE_CHECKING:
+    from cagkv.translate.pairs import PairSet
+    from cagkv.translate.train import Trainer
+
+__all__ = ["DIFFICULTY_FILE", "token_errors", "fit_difficulty", "save_difficulty", "load_difficulty"]
+
+DIFFICULTY_FILE = "difficulty.safetensors"
+PRIOR_COUNT = 3.0  # an id seen n times weighs its own mean n / (n + 3) against the overall mean
+
+
+def token_errors(keys: torch.Tensor, values: torch.Tensor, native_keys: torch.Tensor, native_values: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Per-token translation error `[B, T]` (0 on padding) of K/V `[B, L, H, T, D]`: each layer's
+    squared error over the mean squared norm of that chunk's native entries in the layer,
+    summed over layers (so every layer weighs alike whatever its scale)."""
+    m = mask.to(keys.dtype)[:, None, :]  # [B, 1, T]
+    total = keys.new_zeros(mask.shape)
+    for got, want in ((keys, native_keys), (values, native_values)):
+        error = (got.float() - want.float()).pow(2).sum(dim=(2, 4))  # [B, L, T]
+        scale = (want.float().pow(2).sum(dim=(2, 4)) * m).sum(-1) / m.sum(-1).clamp_min(1)  # [B, L]
+        total = total + (error / scale.clamp_min(1e-12)[..., None] * m).sum(1)
+    return total
+
+
+@torch.no_grad()
+def fit_difficulty(trainer: Trainer, pairs: PairSet, vocab_size: int | None = None,
+                   progress: bool = False) -> dict[str, torch.Tensor]:
+    """Translate every chunk of `pairs` with `trainer.mot` and average the error per target token id.
+
+    Returns `{"difficulty": [V]` expected error over the mean error (1.0 = an average token;
+    ids never seen get 1.0), `"count": [V]` how often each id was seen}."""
+    from tqdm.auto import tqdm
+
+    vocab = int(vocab_size or trainer.target.config.vocab_size)
+    total, count = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+    trainer.mot.train(False)
+    for i in tqdm(range(len(pairs)), desc="difficulty", disable=not progress):
+        bt = trainer.batch([pairs[i]])
+        keys, values, _ = trainer.translate_batch(bt)
+        err = token_errors(keys, values, trainer.native_keys(bt), trainer.native_keys(bt, "tv"), bt["mask"])
+        ids, valid = bt["ids"][bt["mask"]], err[bt["mask"]].double()
+        if int(ids.max()) >= vocab:
+            raise TranslatorError(f"token id {int(ids.max())} outside the target's vocabulary of {vocab}")
+        total.index_add_(0, ids, valid)
+        count.index_add_(0, ids, torch.ones_like(valid))
+    if not count.sum():
+        raise TranslatorError("no chunk tokens to fit a difficulty table on")
+    mean = total.sum() / count.sum()
+    shrunk = (total + PRIOR_COUNT * mean) / (count + PRIOR_COUNT)
+    return {"difficulty": (shrunk / mean).float(), "count": count.float()}
+
+
+def save_difficulty(table: dict[str, torch.Tensor], folder: str | Path) -> Path:
+    """Write the table beside a translator's weights (`DIFFICULTY_FILE`)."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / DIFFICULTY_FILE
+    save_file({k: v.contiguous() for k, v in table.items()}, str(path))
+    return path
+
+
+def load_difficulty(folder: str | Path) -> torch.Tensor | None:
+    """The `[V]` difficulty table saved in `folder`, or None when it has none."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / DIFFICULTY_FILE
+    if not path.exists():
+        return None
+    try:
+        table: Any = load_file(str(path))["difficulty"]
+    except Exception as e:  # noqa: BLE001 - truncated / not safetensors / no such tensor
+        raise TranslatorError(f"difficulty table at {path} is unreadable: {str(e).splitlines()[0]}") from None
+    if table.dim() != 1 or not torch.isfinite(table).all() or bool((table < 0).any()):
+        raise TranslatorError(f"difficulty table at {path} must be one finite, non-negative value per token id")
+    return table.float()
