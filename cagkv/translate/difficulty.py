@@ -72,6 +72,8 @@ def fit_difficulty(trainer: Trainer, pairs: PairSet, vocab_size: int | None = No
     if not count.sum():
         raise TranslatorError("no chunk tokens to fit a difficulty table on")
     mean = total.sum() / count.sum()
+    if not mean > 0:  # an exact translator: no token is harder than another
+        return {"difficulty": torch.ones(vocab), "count": count.float()}
     shrunk = (total + PRIOR_COUNT * mean) / (count + PRIOR_COUNT)
     return {"difficulty": (shrunk / mean).float(), "count": count.float()}
 

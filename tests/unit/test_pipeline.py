@@ -394,6 +394,34 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
     assert runs[2] <= runs[1]
 
 
+def test_difficulty_scoring_refreshes_the_tokens_the_translators_table_finds_hardest(tmp_path, models):
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    translator = NoiseTranslator()
+    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    q = "Why did ships pass safely?"
+    with pytest.raises(UsageError, match="difficulty table"):  # refused before any work
+        cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25, refresh_scoring="difficulty")
+    assert translator.calls == 0
+    vocab = cag.model(models["qwen2"]).model.config.vocab_size
+    hard = list(range(0, vocab, 3))  # every third token id is hard, the rest easy
+    translator.difficulty = torch.full((vocab,), 0.5)
+    translator.difficulty[hard] = 2.0
+    prepared = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
+                           refresh_scoring="difficulty")  # fmt: skip
+    chosen = set(prepared.stale.values())
+    blocks = [cag.store.load_blocks([s.chunk])[0] for s in prepared.sources]
+    fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
+    ids = [t for b in blocks for t in fmt.chunk_ids(b.text)]
+    share = round(0.25 * len(ids))
+    assert len(prepared.stale) == share
+    n_hard = sum(t in set(hard) for t in ids)
+    # the table decides: hard tokens first, easy ones only once every hard one is taken
+    assert (chosen <= set(hard)) if n_hard >= share else (set(hard) & set(ids) <= chosen)
+    both = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
+                       refresh_scoring="contrast_difficulty")  # fmt: skip
+    assert len(both.stale) == share
+
+
 def test_stream_yields_the_answer(tmp_path, models):
     _, cag = make_store(tmp_path, models["gemma"], [DOC_A])
     stream = cag.ask_stream("Who lit the lamp?", mode="canonical", max_new_tokens=10)

@@ -215,6 +215,18 @@ def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> 
     assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "drafted", [6, 7]),
                        contrast(masses[0] / 3, masses[1], candidates))
     assert seen[-1] == 2
+    # the difficulty scorings: the table alone (no pass at all), or contrast weighted by it
+    expected = torch.tensor([1.0, 0.5, 3.0, 1.0])
+    passes = len(seen)
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "difficulty", (), expected),
+                       expected)
+    assert len(seen) == passes
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "contrast_difficulty", (),
+                                               expected),
+                       contrast(masses[0], masses[1], candidates) * expected)
+    for bad in (None, torch.ones(3)):
+        with pytest.raises(ValueError, match="expected error"):
+            refresh.score_positions(None, None, 4, [5], neutral, candidates, "difficulty", (), bad)
     with pytest.raises(ValueError, match="neutral"):
         refresh.score_positions(None, None, 4, [5], [], candidates, "contrast")
     with pytest.raises(ValueError, match="unknown"):
