@@ -142,6 +142,19 @@ def test_documents_of_one_file_stay_apart(tmp_path: Path, models: dict[str, str]
     s.close()
 
 
+def test_a_bad_device_is_refused_before_anything_is_written(tmp_path: Path, models: dict[str, str]):
+    s = CacheStore.open(tmp_path / "s", canonical=models["canonical"], embedder="hash-64")
+    docs = [Document(text=t, id_=k) for k, t in TEXTS.items()]
+    for device in ("tpu", "cuda:x"):
+        with pytest.raises(UsageError, match="device"):
+            ingest_documents(s, docs, device=device)
+        with pytest.raises(UsageError, match="device"):
+            CagkvWriter(store=s, device=device)(docs)
+    assert s.list_documents() == []
+    assert CagkvWriter(store=s).device == "cpu"
+    s.close()
+
+
 def test_writer_refuses_non_text_nodes(store: CacheStore):
     from llama_index.core.schema import ImageNode
 

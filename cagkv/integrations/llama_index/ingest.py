@@ -36,6 +36,7 @@ def ingest_documents(
     chunk_tokens: int = 256,
     batch_size: int = 8,
     dtype: str = "bfloat16",
+    device: str | None = None,
 ) -> list[int]:
     """Put LlamaIndex documents or nodes into a cagkv store; returns cagkv document ids.
 
@@ -50,7 +51,8 @@ def ingest_documents(
     Args:
         store: an open `cagkv.stores.CacheStore` (its canonical model prefills).
         documents: `Document`s and/or `TextNode`s (image and other non-text nodes are refused).
-        chunk_tokens, batch_size, dtype: as for `cagkv.ingest.ingest_text`.
+        chunk_tokens, batch_size, dtype, device: as for `cagkv.ingest.ingest_text` (device:
+            where the canonical model prefills, e.g. "cuda"; default the CPU).
     """
     from cagkv.ingest import ingest_text
 
@@ -71,7 +73,7 @@ def ingest_documents(
             source = f"{source}#{seen[source]}"
         result = ingest_text(
             store, text, source, metadata=metadata, chunks=chunks,
-            chunk_tokens=chunk_tokens, batch_size=batch_size, dtype=dtype,
+            chunk_tokens=chunk_tokens, batch_size=batch_size, dtype=dtype, device=device,
         )  # fmt: skip
         ids.append(int(result.document_id))
     return ids
@@ -92,6 +94,7 @@ class CagkvWriter(TransformComponent):
     # Plain fields, so that IngestionPipeline's cache hash tells stores and settings apart.
     store_path: str = Field(default="", description="Path of the cagkv store written to.")
     chunk_tokens: int = Field(default=256, gt=0, description="cagkv chunk size for Documents.")
+    device: str = Field(default="cpu", description='Where the canonical model prefills ("cpu", "cuda", "cuda:1").')
     _store: Any = PrivateAttr()
 
     def __init__(self, store: "CacheStore", **kwargs: Any) -> None:
@@ -104,7 +107,7 @@ class CagkvWriter(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         groups = _group_by_document(nodes)
-        doc_ids = ingest_documents(self._store, nodes, chunk_tokens=self.chunk_tokens)
+        doc_ids = ingest_documents(self._store, nodes, chunk_tokens=self.chunk_tokens, device=self.device)
         for group, doc_id in zip(groups.values(), doc_ids, strict=True):
             for node in group:
                 node.metadata[DOCUMENT_ID] = str(doc_id)
