@@ -20,7 +20,8 @@ Modes:
                 (default: the translator card's measured `default_replay`);
                 `refresh=f` lets it recompute the fraction f of the chunk tokens its
                 question attends to most (by default beyond what a neutral prompt
-                attends to: `refresh_scoring`), through every layer (`cagkv.refresh`;
+                attends to: `refresh_scoring`, default the card's measured
+                `default_refresh_scoring`, else contrast), through every layer (`cagkv.refresh`;
                 default: the card's measured `default_refresh`, 0 where it names none).
     mot-window  the paper's reference inference (baseline): the target recomputes every
                 layer over the chunks, attending over translated K/V in ~30 % of its layers.
@@ -225,7 +226,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float | None = None,
-        refresh_scoring: str = DEFAULT_SCORING,
+        refresh_scoring: str | None = None,
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store."""
         prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring)
@@ -241,7 +242,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float | None = None,
-        refresh_scoring: str = DEFAULT_SCORING,
+        refresh_scoring: str | None = None,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
 
@@ -260,7 +261,7 @@ class CAG:
         replay: int | None = None,
         document_ids: Sequence[Any] | None = None,
         refresh: float | None = None,
-        refresh_scoring: str = DEFAULT_SCORING,
+        refresh_scoring: str | None = None,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -276,7 +277,7 @@ class CAG:
             raise UsageError(f"replay must be >= 0, got {replay}")
         if refresh is not None and not 0 <= refresh <= 1:
             raise UsageError(f"refresh is a fraction of the chunk tokens in [0, 1], got {refresh}")
-        if refresh_scoring not in SCORINGS:
+        if refresh_scoring is not None and refresh_scoring not in SCORINGS:
             raise UsageError(f"unknown refresh_scoring {refresh_scoring!r}: expected one of {', '.join(SCORINGS)}")
         target_model = self.model(target or self.canonical)
         mode, reason, translator = self._resolve_mode(mode, target_model)
@@ -290,6 +291,11 @@ class CAG:
             refresh = float(getattr(translator, "default_refresh", 0.0) or 0.0) if mode == "translate" else 0.0
             if refresh:
                 reason = "; ".join(r for r in (reason, f"refresh {refresh:g} (the translator card's default_refresh)") if r)
+        if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
+            refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
+            if refresh and refresh_scoring != DEFAULT_SCORING:
+                reason = "; ".join(r for r in (reason, f"scoring {refresh_scoring} (the translator card's "
+                                                        "default_refresh_scoring)") if r)
         difficulty = None  # read before timing, and refused before any work when missing
         if refresh and refresh_scoring in NEEDS_DIFFICULTY:
             difficulty = getattr(translator, "difficulty", None)

@@ -132,7 +132,7 @@ def ask_cmd(
              "8 answer tokens drafted over the translated cache; measured worse on the needles, E61) or "
              "difficulty (the translator's expected error per token, from its difficulty table; no "
              "question pass) or contrast_difficulty (contrast times that expected error). "
-             "Default: cagkv.refresh.DEFAULT_SCORING.",
+             "Default: the translator card's default_refresh_scoring, else contrast.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="Where the models run: cpu, cuda, cuda:N or auto (a GPU if there is one)."),
@@ -152,9 +152,7 @@ def ask_cmd(
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype, device=device)  # the engine checks the canonical tokenizer before using stored blocks
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay,
-              "refresh": refresh}
-    if refresh_scoring is not None:
-        kwargs["refresh_scoring"] = refresh_scoring
+              "refresh": refresh, "refresh_scoring": refresh_scoring}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
         for piece in answer_stream:

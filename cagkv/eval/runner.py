@@ -38,7 +38,7 @@ from cagkv.errors import UsageError
 from cagkv.eval.datasets import Example, load_dataset, unique_contexts
 from cagkv.eval.metrics import answer_span, exact_match, token_f1
 from cagkv.eval.report import TIMING_KEYS, build_report, to_markdown
-from cagkv.refresh import DEFAULT_SCORING, SCORINGS
+from cagkv.refresh import SCORINGS
 
 if TYPE_CHECKING:
     import torch
@@ -223,7 +223,7 @@ class Variant(NamedTuple):
     replay: int | None  # None: the translator's default
     window: bool  # mot-window instead of translate
     refresh: float = 0.0  # share of the chunk tokens the target recomputes (cagkv.refresh)
-    refresh_scoring: str = DEFAULT_SCORING  # how they are chosen (cagkv.refresh.SCORINGS)
+    refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
 
 
 def variant_spec(spec: str) -> Variant:
@@ -241,10 +241,9 @@ def variant_spec(spec: str) -> Variant:
             raise UsageError(f"--modes: @refresh takes a fraction, as in @refresh0.33, got {mod!r}") from None
         if not 0 < refresh <= 1:
             raise UsageError(f"--modes: @refresh takes a fraction in (0, 1], got {refresh}")
-        scoring = scoring or DEFAULT_SCORING
-        if scoring not in SCORINGS:
+        if scoring and scoring not in SCORINGS:
             raise UsageError(f"--modes: @refresh{fraction}:SCORING takes one of {', '.join(SCORINGS)}, got {scoring!r}")
-        return Variant(path, 0, False, refresh, scoring)
+        return Variant(path, 0, False, refresh, scoring or None)
     try:
         replay = int(mod)
     except ValueError:
@@ -290,7 +289,7 @@ class ModeRunner:
         prepared = engine.prepare(question, target=self.config.target, mode=engine_mode,
                                   top_k=top_k or self.config.top_k, replay=replay,
                                   document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh,
-                                  refresh_scoring=DEFAULT_SCORING if variant is None else variant.refresh_scoring)
+                                  refresh_scoring=None if variant is None else variant.refresh_scoring)
         return engine, prepared
 
 

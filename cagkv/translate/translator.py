@@ -249,6 +249,18 @@ class Translator:
         return value if 0.0 <= value <= 1.0 else 0.0
 
     @property
+    def default_refresh_scoring(self) -> str:
+        """How `auto`/`translate` rank the tokens to refresh when no scoring is asked: the card's
+        measured choice, where it names one of `cagkv.refresh.SCORINGS` that this translator can
+        run (a difficulty scoring needs its table), else `cagkv.refresh.DEFAULT_SCORING`."""
+        from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS
+
+        value = self.card.get("default_refresh_scoring")
+        if value not in SCORINGS or (value in NEEDS_DIFFICULTY and self.difficulty is None):
+            return DEFAULT_SCORING
+        return str(value)
+
+    @property
     def difficulty(self) -> torch.Tensor | None:
         """Expected translation error per target token id `[V]` (1.0 = average), read once from
         the artifact's `difficulty.safetensors` (`cagkv.translate.difficulty`); None without one."""

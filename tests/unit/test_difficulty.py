@@ -117,9 +117,17 @@ def test_table_round_trips_and_bad_files_are_refused(tmp_path: Path) -> None:
 def test_translator_reads_its_table_beside_the_weights(trainer: Trainer, tmp_path: Path) -> None:
     from cagkv.translate.artifact import load_translator, save_artifact
 
-    card = {"source": {"fingerprint": trainer.source.fingerprint}, "target": {"fingerprint": trainer.target.fingerprint}}
+    card = {"source": {"fingerprint": trainer.source.fingerprint}, "target": {"fingerprint": trainer.target.fingerprint},
+            "default_refresh_scoring": "contrast_difficulty"}
     folder = save_artifact(tmp_path / "t", trainer.mot, card, dtype=torch.float32)
-    assert load_translator(folder).difficulty is None
+    without = load_translator(folder)
+    assert without.difficulty is None
+    assert without.default_refresh_scoring == "contrast"  # the card's scoring needs the table it lacks
     table = fit_difficulty(trainer, trainer.pairs)
     save_difficulty(table, folder)
-    torch.testing.assert_close(load_translator(folder).difficulty, table["difficulty"])
+    with_table = load_translator(folder)
+    torch.testing.assert_close(with_table.difficulty, table["difficulty"])
+    assert with_table.default_refresh_scoring == "contrast_difficulty"
+    for value in ("loud", None, 3):
+        with_table.card["default_refresh_scoring"] = value
+        assert with_table.default_refresh_scoring == "contrast"

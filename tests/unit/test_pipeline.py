@@ -420,6 +420,12 @@ def test_difficulty_scoring_refreshes_the_tokens_the_translators_table_finds_har
     both = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
                        refresh_scoring="contrast_difficulty")  # fmt: skip
     assert len(both.stale) == share
+    # the card's scoring is used when none is asked, and said so
+    translator.default_refresh_scoring = "difficulty"
+    default = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25)
+    assert default.stale == prepared.stale and "default_refresh_scoring" in default.mode_reason
+    asked = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25, refresh_scoring="contrast")
+    assert asked.stale != prepared.stale and "scoring" not in asked.mode_reason  # contrast chose others
 
 
 def test_stream_yields_the_answer(tmp_path, models):
