@@ -79,11 +79,12 @@ def fit_difficulty(trainer: Trainer, pairs: PairSet, vocab_size: int | None = No
 
 
 def save_difficulty(table: dict[str, torch.Tensor], folder: str | Path) -> Path:
-    """Write the table beside a translator's weights (`DIFFICULTY_FILE`)."""
+    """Write the table beside a translator's weights (`DIFFICULTY_FILE`), counts as integers."""
     from safetensors.torch import save_file
 
     path = Path(folder) / DIFFICULTY_FILE
-    save_file({k: v.contiguous() for k, v in table.items()}, str(path))
+    kinds = {"difficulty": torch.float32, "count": torch.int32}
+    save_file({k: v.to(kinds.get(k, v.dtype)).contiguous() for k, v in table.items()}, str(path))
     return path
 
 
