@@ -15,6 +15,7 @@ Example (E69, the reverse pair):
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -49,6 +50,15 @@ def main() -> None:
     path = save_difficulty(table, folder)
     seen = table["count"] > 0
     d = table["difficulty"][seen]
+    card_path = folder / "card.json"
+    written = json.loads(card_path.read_text())
+    written["difficulty"] = {
+        "file": path.name, "pairs_dir": str(Path(args.pairs).expanduser()), "chunks": len(pairs),
+        "ids_seen": int(seen.sum()), "tokens": int(table["count"].sum()),
+        "range_seen": [round(float(d.min()), 3), round(float(d.max()), 3)],
+        "how": "benchmarks/fit_difficulty.py (docs/EXPERIMENTS.md E69)",
+    }
+    card_path.write_text(json.dumps(written, indent=1, sort_keys=True) + "\n")
     print(f"{path}: {int(seen.sum())} token ids seen in {int(table['count'].sum())} tokens; "
           f"difficulty of seen ids: min {float(d.min()):.2f}, median {float(d.median()):.2f}, max {float(d.max()):.2f}")
 

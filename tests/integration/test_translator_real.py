@@ -86,6 +86,20 @@ def test_card_and_size(pair) -> None:
     assert isinstance(tr.good_enough(), tuple)
 
 
+def test_a_card_naming_a_difficulty_scoring_ships_its_table(pair) -> None:
+    src, tgt, tr = pair
+    named = tr.card.get("default_refresh_scoring")
+    if named is None:
+        assert tr.default_refresh_scoring == "contrast"
+        return
+    assert tr.default_refresh_scoring == named  # not the fallback a missing table would give
+    if named in ("difficulty", "contrast_difficulty"):
+        table = tr.difficulty
+        assert table is not None and table.numel() == tgt.config.vocab_size
+        seen = tr.card["difficulty"]["ids_seen"]
+        assert int((table != 1.0).sum()) <= seen and float(table.max()) > 1.0 > float(table.min())
+
+
 def test_translate_shapes_and_exact_layer0(pair) -> None:
     src, tgt, tr = pair
     out = tr.translate(_block(src, DOC), tgt)
