@@ -7,7 +7,7 @@ lands beside the weights as `difficulty.safetensors`; refresh's "difficulty" and
 "contrast_difficulty" scorings read it. With `--out` the translator folder is copied there
 first (the shipped folder stays as it is).
 
-Example (E69, the reverse pair):
+Several pair folders pool their chunks. Example (E69, the reverse pair; E70 added `--prior`):
     python benchmarks/fit_difficulty.py cagkv/translators/gemma3-270m__smollm2-135m \\
         ~/.cache/cagkv/pairs/gemma3-270m__smollm2-135m__9fe7061cd069 --out ~/.cache/cagkv/runs/e69/rev_difficulty
 """
@@ -23,7 +23,7 @@ import torch
 
 from cagkv.models import load
 from cagkv.translate import load_translator
-from cagkv.translate.difficulty import fit_difficulty, save_difficulty
+from cagkv.translate.difficulty import PRIORS, fit_difficulty, save_difficulty
 from cagkv.translate.pairs import PairSet
 from cagkv.translate.train import Trainer, TrainConfig
 
@@ -31,7 +31,9 @@ from cagkv.translate.train import Trainer, TrainConfig
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("translator", help="translator folder")
-    ap.add_argument("pairs", help="pair folder (with train/) for this translator's source and target")
+    ap.add_argument("pairs", nargs="+", help="pair folders (with train/) for this translator's source and target")
+    ap.add_argument("--prior", choices=PRIORS, default="singletons",
+                    help="what rare and unseen ids are shrunk towards: the ids seen once (default) or the mean (E69)")
     ap.add_argument("--out", default="", help="copy the translator folder here and write the table there")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -43,17 +45,19 @@ def main() -> None:
     translator = load_translator(folder)
     card = translator.card
     source, target = load(card["source"]["name"]), load(card["target"]["name"])
-    pairs = PairSet(Path(args.pairs).expanduser() / "train")
-    heldout = PairSet(Path(args.pairs).expanduser() / "heldout")
-    trainer = Trainer(source, target, pairs, heldout, TrainConfig(), mot=translator.model.train(False))
-    table = fit_difficulty(trainer, pairs, progress=True)
+    folders = [Path(p).expanduser() for p in args.pairs]
+    sets = [PairSet(f / "train") for f in folders]
+    heldout = PairSet(folders[0] / "heldout")
+    trainer = Trainer(source, target, sets[0], heldout, TrainConfig(), mot=translator.model.train(False))
+    table = fit_difficulty(trainer, sets, progress=True, prior=args.prior)
     path = save_difficulty(table, folder)
     seen = table["count"] > 0
     d = table["difficulty"][seen]
     card_path = folder / "card.json"
     written = json.loads(card_path.read_text())
     written["difficulty"] = {
-        "file": path.name, "pairs_dir": str(Path(args.pairs).expanduser()), "chunks": len(pairs),
+        "file": path.name, "pairs_dirs": [str(f) for f in folders], "chunks": sum(len(s) for s in sets),
+        "prior": args.prior,
         "ids_seen": int(seen.sum()), "tokens": int(table["count"].sum()),
         "range_seen": [round(float(d.min()), 3), round(float(d.max()), 3)],
         "how": "benchmarks/fit_difficulty.py (docs/EXPERIMENTS.md E69)",

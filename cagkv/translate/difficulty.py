@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from cagkv.translate.pairs import PairSet
     from cagkv.translate.train import Trainer
 
-__all__ = ["DIFFICULTY_FILE", "token_errors", "fit_difficulty", "save_difficulty", "load_difficulty"]
+__all__ = ["DIFFICULTY_FILE", "PRIORS", "token_errors", "fit_difficulty", "save_difficulty", "load_difficulty"]
 
 DIFFICULTY_FILE = "difficulty.safetensors"
 PRIOR_COUNT = 3.0  # an id seen n times weighs its own mean n / (n + 3) against the overall mean
@@ -48,20 +49,31 @@ def token_errors(keys: torch.Tensor, values: torch.Tensor, native_keys: torch.Te
     return total
 
 
-@torch.no_grad()
-def fit_difficulty(trainer: Trainer, pairs: PairSet, vocab_size: int | None = None,
-                   progress: bool = False) -> dict[str, torch.Tensor]:
-    """Translate every chunk of `pairs` with `trainer.mot` and average the error per target token id.
+PRIORS = ("singletons", "mean")
 
-    Returns `{"difficulty": [V]` expected error over the mean error (1.0 = an average token;
-    ids never seen get 1.0), `"count": [V]` how often each id was seen}."""
+
+@torch.no_grad()
+def fit_difficulty(trainer: Trainer, pairs: PairSet | Sequence[PairSet], vocab_size: int | None = None,
+                   progress: bool = False, prior: str = "singletons") -> dict[str, torch.Tensor]:
+    """Translate every chunk of `pairs` (one pair set or several) with `trainer.mot` and
+    average the error per target token id.
+
+    Rare ids are shrunk towards a prior, which is also what ids never seen get: `prior=
+    "singletons"` the mean error of the ids seen once (rare ids are translated worse than
+    common ones, E70, and an id never seen is rarer still), `"mean"` the mean over all
+    tokens (E69's tables). Returns `{"difficulty": [V]` expected error over the mean error
+    (1.0 = an average token), `"count": [V]` how often each id was seen}."""
     from tqdm.auto import tqdm
 
+    if prior not in PRIORS:
+        raise TranslatorError(f"unknown difficulty prior {prior!r}; one of {', '.join(PRIORS)}")
+    sets = [pairs] if not isinstance(pairs, (list, tuple)) else list(pairs)
     vocab = int(vocab_size or trainer.target.config.vocab_size)
     total, count = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
     trainer.mot.train(False)
-    for i in tqdm(range(len(pairs)), desc="difficulty", disable=not progress):
-        bt = trainer.batch([pairs[i]])
+    chunks = [(s, i) for s in sets for i in range(len(s))]
+    for pair_set, i in tqdm(chunks, desc="difficulty", disable=not progress):
+        bt = trainer.batch([pair_set[i]])
         keys, values, _ = trainer.translate_batch(bt)
         err = token_errors(keys, values, trainer.native_keys(bt), trainer.native_keys(bt, "tv"), bt["mask"])
         ids, valid = bt["ids"][bt["mask"]], err[bt["mask"]].double()
@@ -74,7 +86,9 @@ def fit_difficulty(trainer: Trainer, pairs: PairSet, vocab_size: int | None = No
     mean = total.sum() / count.sum()
     if not mean > 0:  # an exact translator: no token is harder than another
         return {"difficulty": torch.ones(vocab), "count": count.float()}
-    shrunk = (total + PRIOR_COUNT * mean) / (count + PRIOR_COUNT)
+    once = count == 1
+    centre = total[once].mean() if prior == "singletons" and bool(once.any()) else mean
+    shrunk = (total + PRIOR_COUNT * centre) / (count + PRIOR_COUNT)
     return {"difficulty": (shrunk / mean).float(), "count": count.float()}
 
 
