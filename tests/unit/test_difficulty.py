@@ -60,20 +60,26 @@ def test_token_errors_weigh_every_layer_alike_and_skip_padding() -> None:
     assert torch.equal(token_errors(keys, native_v, native_k, native_v, mask)[1], torch.zeros(5))
 
 
-def test_fit_averages_each_token_ids_error_shrunk_towards_the_mean(trainer: Trainer) -> None:
-    table = fit_difficulty(trainer, trainer.pairs)
+def _counted_by_hand(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     vocab = trainer.target.config.vocab_size
-    assert table["difficulty"].shape == table["count"].shape == (vocab,)
-
     total, count = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
     with torch.no_grad():
-        for i in range(len(trainer.pairs)):  # the same errors, one chunk at a time, counted by hand
+        for i in range(len(trainer.pairs)):  # the same errors, one chunk at a time
             bt = trainer.batch([trainer.pairs[i]])
             keys, values, _ = trainer.translate_batch(bt)
             err = token_errors(keys, values, trainer.native_keys(bt), trainer.native_keys(bt, "tv"), bt["mask"])[0]
             for token, e in zip(bt["ids"][0, : int(bt["lengths"][0])].tolist(), err.tolist()):
                 total[token] += e
                 count[token] += 1
+    return total, count
+
+
+def test_fit_averages_each_token_ids_error_shrunk_towards_the_mean(trainer: Trainer) -> None:
+    table = fit_difficulty(trainer, trainer.pairs, prior="mean")
+    vocab = trainer.target.config.vocab_size
+    assert table["difficulty"].shape == table["count"].shape == (vocab,)
+
+    total, count = _counted_by_hand(trainer)
     assert torch.equal(table["count"], count.float())
     mean = total.sum() / count.sum()
     want = ((total + PRIOR_COUNT * mean) / (count + PRIOR_COUNT) / mean).float()
@@ -83,6 +89,23 @@ def test_fit_averages_each_token_ids_error_shrunk_towards_the_mean(trainer: Trai
     # the ids seen most sit furthest from the prior: their own mean dominates
     often = int(count.argmax())
     assert abs(float(table["difficulty"][often]) - float(total[often] / count[often] / mean)) < 0.2
+
+
+def test_the_singletons_prior_puts_rare_and_unseen_ids_at_the_mean_error_of_ids_seen_once(trainer: Trainer) -> None:
+    table = fit_difficulty(trainer, trainer.pairs)  # the default prior
+    total, count = _counted_by_hand(trainer)
+    once = count == 1
+    assert bool(once.any()) and bool((count > 1).any())
+    mean, centre = total.sum() / count.sum(), total[once].mean()
+    assert abs(float(centre - mean)) > 1e-6  # the two priors differ on this data
+    want = ((total + PRIOR_COUNT * centre) / (count + PRIOR_COUNT) / mean).float()
+    torch.testing.assert_close(table["difficulty"], want)
+    assert torch.allclose(table["difficulty"][count == 0], (centre / mean).float())
+    # the same chunks given twice, as two pair sets: every id is counted twice
+    doubled = fit_difficulty(trainer, [trainer.pairs, trainer.pairs])
+    assert torch.equal(doubled["count"], 2 * table["count"])
+    with pytest.raises(TranslatorError, match="prior"):
+        fit_difficulty(trainer, trainer.pairs, prior="median")
 
 
 def test_an_exact_translator_makes_every_token_equally_hard(trainer: Trainer, monkeypatch) -> None:
