@@ -31,7 +31,7 @@ from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, forward_at, layer_types, run_layers
 
 __all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
-           "contrast", "pool", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
+           "contrast", "pool", "union_rank", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
@@ -40,9 +40,12 @@ __all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "POOL_WIDTH", "DRA
 # "drafted", contrast of the question followed by the first answer tokens it gets from the
 # translated cache, which read where the answer is rather than where the question's words are (E58);
 # "difficulty", the translator's expected error for each token id (cagkv.translate.difficulty: no
-# question pass at all), and "contrast_difficulty", contrast times that expected error (E69)
-SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted", "difficulty", "contrast_difficulty")
-NEEDS_DIFFICULTY = ("difficulty", "contrast_difficulty")
+# question pass at all), and "contrast_difficulty", contrast times that expected error (E69);
+# "union", each token's better rank of the two, contrast and contrast_difficulty, so a share
+# takes the top of both lists (the product alone outvotes the few tokens a long haystack's
+# question needs: E69's needles; E71)
+SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted", "difficulty", "contrast_difficulty", "union")
+NEEDS_DIFFICULTY = ("difficulty", "contrast_difficulty", "union")
 DEFAULT_SCORING = "contrast"  # measured: E43
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
@@ -164,7 +167,9 @@ def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[i
             raise ValueError(f"scoring {scoring!r} needs the expected error of each of the {n} positions")
         if scoring == "difficulty":
             return difficulty.float().cpu()
-        return score_positions(model, cache, n, prompt_ids, neutral_ids, candidates) * difficulty.float().cpu()
+        question = score_positions(model, cache, n, prompt_ids, neutral_ids, candidates)
+        product = question * difficulty.float().cpu()
+        return product if scoring == "contrast_difficulty" else union_rank(question, product, candidates)
     if scoring == "attention":
         return prompt_attention(model, cache, n, [prompt_ids])[0]
     neutral = list(neutral_ids) if scoring == "averaged" else list(neutral_ids)[:1]
@@ -174,6 +179,26 @@ def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[i
     masses = prompt_attention(model, cache, n, [asked, *neutral])
     mass = contrast(masses[0] * (len(prompt_ids) / len(asked)), masses[1:].mean(dim=0), candidates)
     return pool(mass, candidates) if scoring == "pooled" else mass
+
+
+def union_rank(first: torch.Tensor, second: torch.Tensor, candidates: Sequence[int]) -> torch.Tensor:
+    """Each candidate's better quantile in the two scores (1.0 = first of either list; other
+    positions 0): the top share by it is the union of both lists' tops, each cut at the same depth."""
+    out = torch.zeros_like(first, dtype=torch.float32)
+    if not candidates:
+        return out
+    index = torch.as_tensor(list(candidates), dtype=torch.long)
+    count = len(index)
+
+    def quantile(score: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(score[index].float(), descending=True, stable=True)
+        q = torch.empty(count, dtype=torch.float32)
+        q[order] = 1.0 - torch.arange(count, dtype=torch.float32) / count
+        return q
+
+    # ties between the lists go to the first: its quantile is nudged up by less than a rank
+    out[index] = torch.maximum(quantile(first) + 0.5 / count, quantile(second))
+    return out
 
 
 def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float) -> list[int]:

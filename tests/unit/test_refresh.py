@@ -11,7 +11,7 @@ from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
 from cagkv.refresh import (contrast, draft_answer, feed, pool, prompt_attention, question_attention,
-                           refresh_tokens, top_positions)
+                           refresh_tokens, top_positions, union_rank)
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -224,6 +224,9 @@ def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> 
     assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "contrast_difficulty", (),
                                                expected),
                        contrast(masses[0], masses[1], candidates) * expected)
+    question = contrast(masses[0], masses[1], candidates)
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "union", (), expected),
+                       union_rank(question, question * expected, candidates))
     for bad in (None, torch.ones(3)):
         with pytest.raises(ValueError, match="expected error"):
             refresh.score_positions(None, None, 4, [5], neutral, candidates, "difficulty", (), bad)
@@ -302,3 +305,18 @@ def test_draft_answer_is_the_greedy_continuation_and_leaves_the_cache(family: st
         assert torch.equal(got.keys, want.keys) and got.keys.shape == want.keys.shape
     # a stop id ends the draft before it
     assert draft_answer(lm.model, cache, 10, ids[0, 10:].tolist(), count=5, stop_ids=[drafted[2]]) == drafted[:2]
+
+
+def test_union_rank_takes_the_top_of_both_lists_at_the_same_depth() -> None:
+    candidates = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = torch.tensor([9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0])   # ranks 1 > 2 > ... > 8
+    second = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])  # the reverse
+    score = union_rank(first, second, candidates)
+    assert float(score[0]) == 0.0  # not a candidate
+    # a quarter (2 tokens): the first of each list; a half: the top two of each
+    assert top_positions(score, candidates, 0.25) == [1, 8]
+    assert top_positions(score, candidates, 0.5) == [1, 2, 7, 8]
+    # lists that agree give that list's order; a tie between the lists goes to the first
+    assert top_positions(union_rank(first, first, candidates), candidates, 0.375) == [1, 2, 3]
+    assert top_positions(score, candidates, 1 / 8) == [1]
+    assert torch.equal(union_rank(first, second, []), torch.zeros(9))
