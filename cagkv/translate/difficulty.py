@@ -6,9 +6,9 @@ the tokens exact closes most of the gap when that third is the one with the larg
 The error itself needs the native cache, so it cannot be measured at question time, but
 much of it is predicted by the target token alone. `fit_difficulty` runs a translator over
 paired chunks (what the target computes natively is in the pairs) and averages each token
-id's error, shrunk towards the mean for rare ids; `Translator.difficulty` reads the table
-back and refresh can rank chunk tokens by it (`cagkv.refresh`, scorings "difficulty" and
-"contrast_difficulty").
+id's error, shrunk towards a prior for rare ids; `Translator.difficulty` reads the table
+back and refresh can rank chunk tokens by it (`cagkv.refresh`, scorings "difficulty",
+"contrast_difficulty" and "union").
 
 Example:
     >>> table = fit_difficulty(trainer, trainer.pairs)          # doctest: +SKIP
@@ -17,8 +17,8 @@ Example:
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["DIFFICULTY_FILE", "PRIORS", "token_errors", "fit_difficulty", "save_difficulty", "load_difficulty"]
 
 DIFFICULTY_FILE = "difficulty.safetensors"
-PRIOR_COUNT = 3.0  # an id seen n times weighs its own mean n / (n + 3) against the overall mean
+PRIOR_COUNT = 3.0  # an id seen n times weighs its own mean n / (n + 3) against the prior (PRIORS)
 
 
 def token_errors(keys: torch.Tensor, values: torch.Tensor, native_keys: torch.Tensor, native_values: torch.Tensor,

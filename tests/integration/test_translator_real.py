@@ -16,6 +16,7 @@ from cagkv.errors import TranslatorError
 from cagkv.kv import KVBlock
 from cagkv.models import build_cache, extract_kv, full_cache
 from cagkv.prompt import PromptFormat
+from cagkv.refresh import NEEDS_DIFFICULTY
 from cagkv.translate import find_translator, load_translator
 
 pytestmark = pytest.mark.integration
@@ -93,7 +94,7 @@ def test_a_card_naming_a_difficulty_scoring_ships_its_table(pair) -> None:
         assert tr.default_refresh_scoring == "contrast"
         return
     assert tr.default_refresh_scoring == named  # not the fallback a missing table would give
-    if named in ("difficulty", "contrast_difficulty"):
+    if named in NEEDS_DIFFICULTY:
         table = tr.difficulty
         assert table is not None and table.numel() == tgt.config.vocab_size
         seen = tr.card["difficulty"]["ids_seen"]
