@@ -4,7 +4,7 @@ Runs the translator over every chunk of a pair folder's `train/` split (what `ca
 built: the source's K/V and the target's own), measures each token's translation error
 (`cagkv.translate.difficulty.token_errors`) and averages it per target token id. The table
 lands beside the weights as `difficulty.safetensors`; refresh's "difficulty",
-"contrast_difficulty" and "union" scorings read it. With `--out` the translator folder is copied there
+"contrast_difficulty", "union" and "adaptive" scorings read it. With `--out` the translator folder is copied there
 first (the shipped folder stays as it is).
 
 Several pair folders pool their chunks. Example (E69, the reverse pair; E70 added `--prior`):

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -30,8 +31,8 @@ from torch import nn
 from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, forward_at, layer_types, run_layers
 
-__all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
-           "contrast", "pool", "union_rank", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
+__all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "PEAK_Z", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
+           "contrast", "pool", "union_rank", "peakedness", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
@@ -43,10 +44,13 @@ __all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "POOL_WIDTH", "DRA
 # question pass at all), and "contrast_difficulty", contrast times that expected error (E69);
 # "union", each token's better rank of the two, contrast and contrast_difficulty, so a share
 # takes the top of both lists (the product alone outvotes the few tokens a long haystack's
-# question needs: E69's needles; E71)
-SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted", "difficulty", "contrast_difficulty", "union")
-NEEDS_DIFFICULTY = ("difficulty", "contrast_difficulty", "union")
+# question needs: E69's needles; E71); "adaptive", contrast where the question's contrast has an
+# outlier far above a flat body (a lookup: `peakedness` >= PEAK_Z), contrast_difficulty elsewhere (E72)
+SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted", "difficulty", "contrast_difficulty", "union",
+            "adaptive")
+NEEDS_DIFFICULTY = ("difficulty", "contrast_difficulty", "union", "adaptive")
 DEFAULT_SCORING = "contrast"  # measured: E43
+PEAK_Z = 42.0  # "adaptive"'s switch, chosen on held-out SQuAD (z <= 38.3) and needles (z >= 46.1): E72
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
 _EAGER_SWITCH = threading.Lock()
@@ -158,7 +162,7 @@ def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[i
     template; "contrast", "pooled" and "drafted" use the first, "averaged" all of them.
     "drafted" measures `prompt_ids + draft_ids` (`draft_answer`), its mass scaled to the
     question's length so that the contrast's offset weighs as it does for the question alone.
-    "difficulty" and "contrast_difficulty" need `difficulty` `[n]`, the expected translation
+    The scorings of NEEDS_DIFFICULTY need `difficulty` `[n]`, the expected translation
     error at each position (`cagkv.translate.difficulty`)."""
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}: expected one of {', '.join(SCORINGS)}")
@@ -168,8 +172,10 @@ def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[i
         if scoring == "difficulty":
             return difficulty.float().cpu()
         question = score_positions(model, cache, n, prompt_ids, neutral_ids, candidates)
+        if scoring == "adaptive" and peakedness(question, candidates) >= PEAK_Z:
+            return question
         product = question * difficulty.float().cpu()
-        return product if scoring == "contrast_difficulty" else union_rank(question, product, candidates)
+        return union_rank(question, product, candidates) if scoring == "union" else product
     if scoring == "attention":
         return prompt_attention(model, cache, n, [prompt_ids])[0]
     neutral = list(neutral_ids) if scoring == "averaged" else list(neutral_ids)[:1]
@@ -199,6 +205,25 @@ def union_rank(first: torch.Tensor, second: torch.Tensor, candidates: Sequence[i
     # ties between the lists go to the first: its quantile is nudged up by less than a rank
     out[index] = torch.maximum(quantile(first) + 0.5 / count, quantile(second))
     return out
+
+
+def peakedness(score: torch.Tensor, candidates: Sequence[int]) -> float:
+    """How far the best candidate's score stands above the rest: `(max - median) / MAD` over
+    `candidates`, each median the lower middle value as torch takes it (0.0 for fewer than two, or when the body is exactly flat and nothing stands out).
+
+    A question that names one passage of a long, unrelated text (a needle) reads it far above
+    a flat body (E72: 46-90 on the needles); a question over a short passage that it is all
+    about reads broadly (SQuAD: 38 at most).
+    """
+    if len(candidates) < 2:
+        return 0.0
+    values = score[torch.as_tensor(list(candidates), dtype=torch.long)].double()
+    median = values.median()
+    spread = (values - median).abs().median()
+    top = values.max() - median
+    if spread == 0:
+        return math.inf if top > 0 else 0.0
+    return float(top / spread)
 
 
 def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float) -> list[int]:

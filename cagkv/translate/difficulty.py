@@ -8,7 +8,7 @@ much of it is predicted by the target token alone. `fit_difficulty` runs a trans
 paired chunks (what the target computes natively is in the pairs) and averages each token
 id's error, shrunk towards a prior for rare ids; `Translator.difficulty` reads the table
 back and refresh can rank chunk tokens by it (`cagkv.refresh`, scorings "difficulty",
-"contrast_difficulty" and "union").
+"contrast_difficulty", "union" and "adaptive").
 
 Example:
     >>> table = fit_difficulty(trainer, trainer.pairs)          # doctest: +SKIP

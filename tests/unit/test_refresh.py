@@ -11,7 +11,7 @@ from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
 from cagkv.refresh import (contrast, draft_answer, feed, pool, prompt_attention, question_attention,
-                           refresh_tokens, top_positions, union_rank)
+                           peakedness, refresh_tokens, top_positions, union_rank)
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -227,6 +227,13 @@ def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> 
     question = contrast(masses[0], masses[1], candidates)
     assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "union", (), expected),
                        union_rank(question, question * expected, candidates))
+    # adaptive: contrast when it is peaked (here position 1 over an exactly flat body), else the product
+    assert refresh.peakedness(question, candidates) == float("inf")
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "adaptive", (), expected),
+                       question)
+    monkeypatch.setattr(refresh, "peakedness", lambda score, among: refresh.PEAK_Z - 1)
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "adaptive", (), expected),
+                       question * expected)
     for bad in (None, torch.ones(3)):
         with pytest.raises(ValueError, match="expected error"):
             refresh.score_positions(None, None, 4, [5], neutral, candidates, "difficulty", (), bad)
@@ -305,6 +312,16 @@ def test_draft_answer_is_the_greedy_continuation_and_leaves_the_cache(family: st
         assert torch.equal(got.keys, want.keys) and got.keys.shape == want.keys.shape
     # a stop id ends the draft before it
     assert draft_answer(lm.model, cache, 10, ids[0, 10:].tolist(), count=5, stop_ids=[drafted[2]]) == drafted[:2]
+
+
+def test_peakedness_is_the_robust_z_of_the_best_candidate() -> None:
+    score = torch.tensor([100.0, 1.0, 2.0, 3.0, 4.0, 5.0, 20.0])
+    candidates = [1, 2, 3, 4, 5, 6]  # position 0 is not a candidate: its 100 does not count
+    # medians are the lower middle value (torch's): median 3, deviations 2 1 0 1 2 17 -> MAD 1
+    assert peakedness(score, candidates) == pytest.approx(17.0)
+    assert peakedness(score, [1, 2, 3, 4, 5]) == pytest.approx(2.0)  # no outlier: (5 - 3) / 1
+    assert peakedness(torch.ones(5), [0, 1, 2, 3]) == 0.0  # flat, nothing stands out
+    assert peakedness(score, [6]) == 0.0
 
 
 def test_union_rank_takes_the_top_of_both_lists_at_the_same_depth() -> None:
