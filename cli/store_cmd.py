@@ -132,7 +132,8 @@ def ask_cmd(
              "8 answer tokens drafted over the translated cache; measured worse on the needles, E61) or "
              "difficulty (the translator's expected error per token, from its difficulty table; no "
              "question pass) or contrast_difficulty (contrast times that expected error) or union (the tokens "
-             "either contrast or contrast_difficulty ranks high). "
+             "either contrast or contrast_difficulty ranks high) or adaptive (contrast when the question's "
+             "contrast has one token far above the rest, a lookup; contrast_difficulty otherwise: E72). "
              "Default: the translator card's default_refresh_scoring, else contrast.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
