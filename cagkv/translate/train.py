@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from cagkv.align import align_tokens
 from cagkv.config import strict_from_dict
+from cagkv.errors import TranslatorError
 from cagkv.models.cache import build_cache
 from cagkv.models.rope import rotate
 from cagkv.translate.features import TargetSide, running_stats, source_features
@@ -82,6 +83,8 @@ class TrainConfig:
     answer_weight: float = 1.0  # e2e KL: the answer tokens' share, against 1 for the document-changed tokens
     refresh_mix: float = 0.0  # e2e: this share of each chunk's tokens (drawn per step) gets native K/V in the
     # Context Correction cache, as question-time refresh leaves them; the loss reaches the rest only (E63)
+    refresh_mix_by: str = "random"  # which tokens: "random", or "difficulty", the share the init translator's
+    # difficulty table ranks hardest, as the "difficulty" refresh scoring would choose them (E74)
     native_below: int = 0  # >0: the target computes its layers below this one over the chunk; the mixture
     # reads its residual stream there (MoTConfig.native_below, E66)
     topk: int = 32
@@ -155,6 +158,9 @@ class Trainer:
         self.log = log or (lambda rec: None)
         self.rng = random.Random(cfg.seed)
         self._mix_rng = random.Random(cfg.seed + 1)  # refresh_mix's draws leave the records' draws as they were
+        self._mix_table: torch.Tensor | None = None  # refresh_mix_by="difficulty": mix_table()
+        if cfg.refresh_mix_by not in ("random", "difficulty"):
+            raise TranslatorError(f"refresh_mix_by must be 'random' or 'difficulty', got {cfg.refresh_mix_by!r}")
         self.P = int(pairs.prefix_ids.numel())
         self.t_start = time.time()
         self.replay = 0  # > 0: translate_batch recomputes the top `replay` layers (replay heads)
@@ -373,12 +379,29 @@ class Trainer:
         """Keys and values `[B, L, H, T, D]` with `round(share * n)` random real tokens of each chunk
         (every layer) replaced by their native ones, as refresh would leave them: no gradient reaches those."""
         picked = torch.zeros(bt["mask"].shape, dtype=torch.bool)  # [B, T]
+        table = self.mix_table() if self.cfg.refresh_mix_by == "difficulty" else None
         for i, n in enumerate(bt["lengths"].tolist()):
-            chosen = self._mix_rng.sample(range(n), round(share * n))
+            if table is None:
+                chosen = self._mix_rng.sample(range(n), round(share * n))
+            else:  # the ids the table ranks hardest
+                chosen = torch.topk(table[bt["ids"][i, :n]], round(share * n)).indices.tolist()
             picked[i, chosen] = True
         where = picked[:, None, None, :, None]
         return (torch.where(where, self.native_keys(bt), keys),
                 torch.where(where, self.native_keys(bt, "tv"), values))
+
+    def mix_table(self) -> torch.Tensor:
+        """The difficulty table `[V]` that `refresh_mix_by="difficulty"` draws the native share by:
+        the one beside the translator training starts from (`init`)."""
+        if self._mix_table is None:
+            from cagkv.translate.difficulty import load_difficulty
+
+            table = load_difficulty(self.cfg.init) if Path(self.cfg.init).is_dir() else None
+            if table is None:
+                raise TranslatorError(f"refresh_mix_by='difficulty' needs init to be a translator folder with a "
+                                      f"difficulty table (benchmarks/fit_difficulty.py), got {self.cfg.init!r}")
+            self._mix_table = table
+        return self._mix_table
 
     def key_logit_errors(self, keys: torch.Tensor, bt: dict[str, torch.Tensor],
                          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

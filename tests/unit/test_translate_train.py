@@ -150,6 +150,30 @@ def test_refresh_mix_gives_a_share_of_tokens_native_kv_and_no_gradient(pairs: Pa
     assert [tr.rng.random() for _ in range(3)] == [plain.rng.random() for _ in range(3)]
 
 
+def test_refresh_mix_by_difficulty_gives_the_hardest_ids_native_kv(pairs: PairSet, tmp_path) -> None:
+    from cagkv.errors import TranslatorError
+    from cagkv.translate.difficulty import save_difficulty
+
+    tr = _trainer(pairs, refresh_mix=0.4, refresh_mix_by="difficulty")
+    rec = next(r for r in pairs if r["kinds"])
+    bt = tr.batch([rec])
+    keys, values, _ = tr.translate_batch(bt)
+    with pytest.raises(TranslatorError, match="difficulty table"):  # init "random": no table to draw by
+        tr.mix_native(keys, values, bt, 0.4)
+    vocab = tr.target.config.vocab_size
+    table = torch.randperm(vocab).float() / vocab  # distinct values: one right answer
+    save_difficulty({"difficulty": table, "count": torch.ones(vocab)}, tmp_path)
+    tr.cfg.init = str(tmp_path)
+    n = int(bt["lengths"][0])
+    mk, _ = tr.mix_native(keys, values, bt, 0.4)
+    same = (mk == tr.native_keys(bt)).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))[:n]
+    ids = bt["ids"][0, :n]
+    hardest = set(torch.topk(table[ids], round(0.4 * n)).indices.tolist())
+    assert set(same.nonzero().flatten().tolist()) == hardest
+    with pytest.raises(TranslatorError, match="refresh_mix_by"):
+        _trainer(pairs, refresh_mix_by="question")
+
+
 def test_native_below_trains_on_the_targets_residual_and_keeps_its_lower_kv(pairs: PairSet) -> None:
     tr = _trainer(pairs, native_below=2)
     rec = next(r for r in pairs if r["kinds"])
