@@ -209,7 +209,8 @@ def union_rank(first: torch.Tensor, second: torch.Tensor, candidates: Sequence[i
 
 def peakedness(score: torch.Tensor, candidates: Sequence[int]) -> float:
     """How far the best candidate's score stands above the rest: `(max - median) / MAD` over
-    `candidates`, each median the lower middle value as torch takes it (0.0 for fewer than two, or when the body is exactly flat and nothing stands out).
+    `candidates`, each median the lower middle value as torch takes it (0.0 for fewer than two,
+    or when the body is exactly flat and nothing stands out; inf when only the best stands out)
 
     A question that names one passage of a long, unrelated text (a needle) reads it far above
     a flat body (E72: 46-90 on the needles); a question over a short passage that it is all

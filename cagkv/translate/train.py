@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["TrainConfig", "Trainer", "train", "make_mot_config", "kl_topk"]
 
 STAGES = ("regression", "attention", "e2e")
+MIX_DRAWS = ("random", "difficulty")  # TrainConfig.refresh_mix_by: how the native share is drawn
 
 
 @dataclass
@@ -159,8 +160,8 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self._mix_rng = random.Random(cfg.seed + 1)  # refresh_mix's draws leave the records' draws as they were
         self._mix_table: torch.Tensor | None = None  # refresh_mix_by="difficulty": mix_table()
-        if cfg.refresh_mix_by not in ("random", "difficulty"):
-            raise TranslatorError(f"refresh_mix_by must be 'random' or 'difficulty', got {cfg.refresh_mix_by!r}")
+        if cfg.refresh_mix_by not in MIX_DRAWS:
+            raise TranslatorError(f"refresh_mix_by must be one of {', '.join(MIX_DRAWS)}, got {cfg.refresh_mix_by!r}")
         self.P = int(pairs.prefix_ids.numel())
         self.t_start = time.time()
         self.replay = 0  # > 0: translate_batch recomputes the top `replay` layers (replay heads)
@@ -376,8 +377,9 @@ class Trainer:
 
     def mix_native(self, keys: torch.Tensor, values: torch.Tensor, bt: dict[str, torch.Tensor],
                    share: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[B, L, H, T, D]` with `round(share * n)` random real tokens of each chunk
-        (every layer) replaced by their native ones, as refresh would leave them: no gradient reaches those."""
+        """Keys and values `[B, L, H, T, D]` with `round(share * n)` real tokens of each chunk (drawn
+        by `refresh_mix_by`: at random, or the ids the difficulty table ranks hardest) replaced on
+        every layer by their native ones, as refresh would leave them: no gradient reaches those."""
         picked = torch.zeros(bt["mask"].shape, dtype=torch.bool)  # [B, T]
         table = self.mix_table() if self.cfg.refresh_mix_by == "difficulty" else None
         for i, n in enumerate(bt["lengths"].tolist()):
