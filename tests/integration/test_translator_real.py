@@ -95,10 +95,22 @@ def test_a_card_naming_a_difficulty_scoring_ships_its_table(pair) -> None:
         return
     assert tr.default_refresh_scoring == named  # not the fallback a missing table would give
     if named in NEEDS_DIFFICULTY:
-        table = tr.difficulty
-        assert table is not None and table.numel() == tgt.config.vocab_size
-        seen = tr.card["difficulty"]["ids_seen"]
-        assert int((table != 1.0).sum()) <= seen and float(table.max()) > 1.0 > float(table.min())
+        assert "difficulty" in tr.card and tr.difficulty is not None
+
+
+def test_a_shipped_table_is_the_one_its_card_describes(pair) -> None:
+    src, tgt, tr = pair
+    record = tr.card.get("difficulty")
+    if record is None:
+        assert tr.difficulty is None
+        return
+    table = tr.difficulty
+    assert table is not None and table.numel() == tgt.config.vocab_size
+    # ids never seen sit at the prior; the seen ones span the card's range (rounded to 3 places)
+    assert int((table != table.mode().values).sum()) <= record["ids_seen"]
+    low, high = record["range_seen"]
+    assert abs(float(table.min()) - low) < 1e-3 and abs(float(table.max()) - high) < 1e-3
+    assert float(table.max()) > 1.0 > float(table.min())
 
 
 def test_translate_shapes_and_exact_layer0(pair) -> None:
