@@ -347,7 +347,8 @@ class CAG:
             with _timer(timings, "replay"):
                 neutral_ids = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
                 chosen = self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
-                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed, difficulty=difficulty)
+                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed, difficulty=difficulty,
+                                      peak_z=getattr(translator, "peak_z", None))
             if self.fuse_feed:
                 stale.update(chosen)
         context = n + len(pending) - len(fmt.context_prefix_ids())
@@ -529,15 +530,16 @@ class CAG:
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
                 neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING,
                 stop_ids: Sequence[int] = (), defer: bool = False,
-                difficulty: torch.Tensor | None = None) -> dict[int, int]:
+                difficulty: torch.Tensor | None = None, peak_z: float | None = None) -> dict[int, int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
         position, block) that `prompt_ids` need most over `cache`, ranked by `scoring` (by
         default relative to what the question-agnostic `neutral_ids` attend to:
         `cagkv.refresh.score_positions`; "drafted" first drafts the answer's first tokens,
         ending before `stop_ids`; the difficulty scorings read the translator's expected error
-        per token id, `difficulty` `[V]`). Returns the chosen positions -> their token ids; with
+        per token id, `difficulty` `[V]`, and "adaptive" switches at `peak_z`, default
+        `cagkv.refresh.PEAK_Z`). Returns the chosen positions -> their token ids; with
         `defer` they are only chosen, for the question's forward to recompute (`Prepared.stale`)."""
-        from cagkv.refresh import NEEDS_DIFFICULTY, draft_answer, refresh_tokens, score_positions, top_positions
+        from cagkv.refresh import NEEDS_DIFFICULTY, PEAK_Z, draft_answer, refresh_tokens, score_positions, top_positions
 
         token_at: dict[int, int] = {}
         for start, block in placed:
@@ -552,7 +554,8 @@ class CAG:
             expected = torch.zeros(n)
             ids = torch.tensor([token_at[p] for p in candidates], dtype=torch.long)
             expected[torch.tensor(candidates, dtype=torch.long)] = difficulty[ids.clamp_max(len(difficulty) - 1)].float()
-        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted, expected)
+        mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted, expected,
+                               PEAK_Z if peak_z is None else peak_z)
         chosen = top_positions(mass, candidates, fraction)
         if not defer:
             refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)

@@ -50,7 +50,9 @@ SCORINGS = ("attention", "contrast", "pooled", "averaged", "drafted", "difficult
             "adaptive")
 NEEDS_DIFFICULTY = ("difficulty", "contrast_difficulty", "union", "adaptive")
 DEFAULT_SCORING = "contrast"  # measured: E43
-PEAK_Z = 42.0  # "adaptive"'s switch, chosen on held-out SQuAD (z <= 38.3) and needles (z >= 46.1): E72
+# "adaptive"'s switch where a translator's card names none (`Translator.peak_z`), chosen for the
+# reverse pair on held-out SQuAD (z <= 38.3) and needles (z >= 46.1): E72
+PEAK_Z = 42.0
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
 _EAGER_SWITCH = threading.Lock()
@@ -156,14 +158,15 @@ def draft_answer(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]
 def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int],
                     neutral_ids: Sequence[Sequence[int]], candidates: Sequence[int],
                     scoring: str = DEFAULT_SCORING, draft_ids: Sequence[int] = (),
-                    difficulty: torch.Tensor | None = None) -> torch.Tensor:
+                    difficulty: torch.Tensor | None = None, peak_z: float = PEAK_Z) -> torch.Tensor:
     """How much `prompt_ids` need each cached position `[n]`, by `scoring` (one of SCORINGS):
     all prompts in one batched pass. `neutral_ids` are question-agnostic prompts in the same
     template; "contrast", "pooled" and "drafted" use the first, "averaged" all of them.
     "drafted" measures `prompt_ids + draft_ids` (`draft_answer`), its mass scaled to the
     question's length so that the contrast's offset weighs as it does for the question alone.
     The scorings of NEEDS_DIFFICULTY need `difficulty` `[n]`, the expected translation
-    error at each position (`cagkv.translate.difficulty`)."""
+    error at each position (`cagkv.translate.difficulty`); "adaptive" switches to contrast
+    at a `peakedness` of `peak_z` (the translator's own threshold where its card names one)."""
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}: expected one of {', '.join(SCORINGS)}")
     if scoring in NEEDS_DIFFICULTY:
@@ -172,7 +175,7 @@ def score_positions(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[i
         if scoring == "difficulty":
             return difficulty.float().cpu()
         question = score_positions(model, cache, n, prompt_ids, neutral_ids, candidates)
-        if scoring == "adaptive" and peakedness(question, candidates) >= PEAK_Z:
+        if scoring == "adaptive" and peakedness(question, candidates) >= peak_z:
             return question
         product = question * difficulty.float().cpu()
         return union_rank(question, product, candidates) if scoring == "union" else product

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 import time
@@ -269,6 +270,20 @@ class Translator:
 
             self._difficulty = load_difficulty(self.path) if self.path else None
         return self._difficulty
+
+    @property
+    def peak_z(self) -> float:
+        """Where "adaptive" refresh scoring switches to contrast (`cagkv.refresh.peakedness`):
+        the threshold the card's difficulty record names, tuned for this target on held-out
+        data (docs/EXPERIMENTS.md E77), else `cagkv.refresh.PEAK_Z` (tuned for E72's pair)."""
+        from cagkv.refresh import PEAK_Z
+
+        record = self.card.get("difficulty")
+        try:
+            value = float(record.get("peak_z", PEAK_Z)) if isinstance(record, dict) else PEAK_Z
+        except (TypeError, ValueError):
+            return PEAK_Z
+        return value if math.isfinite(value) and value > 0 else PEAK_Z
 
     @property
     def replay_values(self) -> list[int]:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from translate_fixtures import CORPUS, tiny_model  # noqa: E402
 
 from cagkv.errors import TranslatorError  # noqa: E402
+from cagkv.refresh import PEAK_Z  # noqa: E402
 from cagkv.translate.corpus import Continuation, Sample  # noqa: E402
 from cagkv.translate.difficulty import (  # noqa: E402
     DIFFICULTY_FILE,
@@ -154,3 +155,12 @@ def test_translator_reads_its_table_beside_the_weights(trainer: Trainer, tmp_pat
     for value in ("loud", None, 3):
         with_table.card["default_refresh_scoring"] = value
         assert with_table.default_refresh_scoring == "contrast"
+    # adaptive's switch: the threshold the card's difficulty record names, else the global one
+    assert with_table.peak_z == PEAK_Z
+    with_table.card["difficulty"] = {"file": "difficulty.safetensors", "peak_z": 17.5}
+    assert with_table.peak_z == 17.5
+    for value in ("loud", None, -3, 0, float("nan"), float("inf")):
+        with_table.card["difficulty"] = {"peak_z": value}
+        assert with_table.peak_z == PEAK_Z
+    with_table.card["difficulty"] = "not a record"
+    assert with_table.peak_z == PEAK_Z

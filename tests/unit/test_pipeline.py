@@ -426,6 +426,18 @@ def test_difficulty_scoring_refreshes_the_tokens_the_translators_table_finds_har
     assert default.stale == prepared.stale and "default_refresh_scoring" in default.mode_reason
     asked = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25, refresh_scoring="contrast")
     assert asked.stale != prepared.stale and "scoring" not in asked.mode_reason  # contrast chose others
+    # adaptive switches at the translator's own threshold: contrast above it, the product below
+    def chosen_by(scoring):
+        translator.calls = 0  # the same noise each time (NoiseTranslator seeds by call count)
+        return cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25,
+                           refresh_scoring=scoring).stale  # fmt: skip
+
+    by_contrast, by_product = chosen_by("contrast"), chosen_by("contrast_difficulty")
+    assert by_contrast != by_product  # so the two branches are told apart
+    translator.peak_z = 1e-9
+    assert chosen_by("adaptive") == by_contrast
+    translator.peak_z = float("inf")
+    assert chosen_by("adaptive") == by_product
 
 
 def test_stream_yields_the_answer(tmp_path, models):

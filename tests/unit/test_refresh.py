@@ -234,6 +234,9 @@ def test_score_positions_combines_the_prompts_masses_by_scoring(monkeypatch) -> 
     monkeypatch.setattr(refresh, "peakedness", lambda score, among: refresh.PEAK_Z - 1)
     assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "adaptive", (), expected),
                        question * expected)
+    # a translator's own threshold (its card's, Translator.peak_z) moves the switch
+    assert torch.equal(refresh.score_positions(None, None, 4, [5], neutral, candidates, "adaptive", (), expected,
+                                               peak_z=refresh.PEAK_Z - 1), question)
     for bad in (None, torch.ones(3)):
         with pytest.raises(ValueError, match="expected error"):
             refresh.score_positions(None, None, 4, [5], neutral, candidates, "difficulty", (), bad)
