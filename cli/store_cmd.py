@@ -130,11 +130,11 @@ def ask_cmd(
              "(contrast averaged over 5 neighbouring tokens: chooses spans) or averaged (contrast over "
              "the mean of several neutral prompts) or drafted (contrast of the question followed by "
              "8 answer tokens drafted over the translated cache; measured worse on the needles, E61) or "
-             "difficulty (the translator's expected error per token, from its difficulty table, shipped with the "
-             "gemma3-270m -> smollm2-135m and smollm2-135m -> qwen2.5-0.5b translators; no "
-             "question pass) or contrast_difficulty (contrast times that expected error) or union (the tokens "
+             "difficulty (the translator's expected error per token, from its difficulty table, shipped with "
+             "every bundled translator; no question pass) or contrast_difficulty (contrast times that expected error) or union (the tokens "
              "either contrast or contrast_difficulty ranks high) or adaptive (contrast when the question's "
-             "contrast has one token far above the rest, a lookup; contrast_difficulty otherwise: E72). "
+             "contrast has one token far above the rest, a lookup, by the card's own threshold; "
+             "contrast_difficulty otherwise: E72, E77). "
              "Default: the translator card's default_refresh_scoring, else contrast.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),

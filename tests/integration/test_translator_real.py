@@ -111,6 +111,10 @@ def test_a_shipped_table_is_the_one_its_card_describes(pair) -> None:
     low, high = record["range_seen"]
     assert abs(float(table.min()) - low) < 1e-3 and abs(float(table.max()) - high) < 1e-3
     assert float(table.max()) > 1.0 > float(table.min())
+    # adaptive's switch: the card's own tuned threshold where it names one (E77)
+    from cagkv.refresh import PEAK_Z
+
+    assert tr.peak_z == float(record.get("peak_z", PEAK_Z))
 
 
 def test_translate_shapes_and_exact_layer0(pair) -> None:
