@@ -93,7 +93,10 @@ def train_cmd(
 
 @translators_app.command("list")
 def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object per translator.")) -> None:
-    """List installed translators ($CAGKV_HOME/translators and shipped ones).
+    """List installed translators ($CAGKV_HOME/translators and shipped ones), with what `ask`
+    does by default with each: REFRESH, the share of chunk tokens the target recomputes and how
+    they are ranked; TABLE, whether a difficulty table ships (needed by the difficulty, contrast_difficulty,
+    union and adaptive scorings) and the peakedness at which adaptive switches to contrast.
 
     Example: cagkv translators list
     """
@@ -107,12 +110,16 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
     if not rows:
         typer.echo("no translators installed (train one: cagkv train --canonical A --target B)")
         return
-    typer.echo(f"{'SOURCE':14} {'TARGET':14} {'E/k':5} {'QUALITY':>8} {'AUTO>=':>6} {'MB':>5}  PATH")
+    typer.echo(f"{'SOURCE':14} {'TARGET':14} {'E/k':5} {'QUALITY':>8} {'AUTO>=':>6} {'MB':>5}  "
+               f"{'REFRESH':20} {'TABLE':14} PATH")
     for r in rows:
         q = "-" if r["quality"] is None else f"{r['quality']:.3f}"
         mb = "-" if not r["size_bytes"] else f"{r['size_bytes'] / 1e6:.1f}"
         ek = f"{r['experts']}/{r['top_k']}"
-        typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  {r['path']}")
+        refresh = f"{r['default_refresh']:g} {r['default_refresh_scoring']}" if r["default_refresh"] else "0"
+        table = f"yes (z {r['peak_z']:g})" if r["difficulty_table"] else "-"
+        typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  "
+                   f"{refresh:20} {table:14} {r['path']}")
 
 
 def register(app: typer.Typer) -> None:

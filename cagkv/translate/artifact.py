@@ -24,7 +24,8 @@ import torch
 
 from cagkv.errors import TranslatorError
 from cagkv.translate.mot import MoTConfig, MoTTranslator
-from cagkv.translate.translator import Translator
+from cagkv.translate.difficulty import DIFFICULTY_FILE
+from cagkv.translate.translator import Translator, card_default_refresh, card_peak_z, card_refresh_scoring
 
 __all__ = ["save_artifact", "load_translator", "find_translator", "list_translators", "translator_dirs"]
 
@@ -154,7 +155,9 @@ def translator_dirs() -> list[Path]:
 
 
 def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
-    """One row per readable artifact: path, source/target names and fingerprints, quality."""
+    """One row per readable artifact: path, source/target names and fingerprints, quality, and
+    what `ask` does with it when nothing is asked (its card's refresh share and scoring, and
+    whether it has a difficulty table, with the threshold of its "adaptive" switch)."""
     rows = []
     for base in dirs if dirs is not None else translator_dirs():
         if not base.is_dir():
@@ -165,6 +168,7 @@ def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
             except TranslatorError:
                 continue
             q = card.get("quality", {})
+            has_table = (sub / DIFFICULTY_FILE).exists()
             rows.append(
                 {
                     "path": str(sub),
@@ -178,6 +182,10 @@ def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
                     "auto_threshold": q.get("auto_threshold"),
                     "size_bytes": card.get("size_bytes"),
                     "has_weights": (sub / WEIGHTS).exists(),
+                    "default_refresh": card_default_refresh(card),
+                    "default_refresh_scoring": card_refresh_scoring(card, has_table),
+                    "difficulty_table": has_table,
+                    "peak_z": card_peak_z(card) if has_table else None,
                 }
             )
     return rows

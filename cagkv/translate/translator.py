@@ -76,7 +76,8 @@ def linear_path_dtype() -> torch.dtype:
 if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
-__all__ = ["Translator", "TranslateInputs", "prepare_inputs", "assemble_kv"]
+__all__ = ["Translator", "TranslateInputs", "prepare_inputs", "assemble_kv", "card_default_refresh", "card_refresh_scoring",
+           "card_peak_z"]
 
 
 class TranslateInputs:
@@ -180,6 +181,41 @@ def assemble_kv(
     return torch.stack(keys, 1), torch.stack(values, 1)  # [B, L, H, T, D]
 
 
+
+# What a card's measured defaults mean, read leniently (a value out of range falls back to the
+# library's default); shared by `Translator` and `cagkv translators list` (`list_translators`).
+def card_default_refresh(card: dict[str, Any]) -> float:
+    """The card's `default_refresh` if it is a share in [0, 1], else 0."""
+    try:
+        value = float(card.get("default_refresh", 0.0) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return value if 0.0 <= value <= 1.0 else 0.0
+
+
+def card_refresh_scoring(card: dict[str, Any], has_table: bool) -> str:
+    """The card's `default_refresh_scoring` if it is one of `cagkv.refresh.SCORINGS` that the
+    translator can run (a difficulty scoring needs its table), else `DEFAULT_SCORING`."""
+    from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS
+
+    value = card.get("default_refresh_scoring")
+    if value not in SCORINGS or (value in NEEDS_DIFFICULTY and not has_table):
+        return DEFAULT_SCORING
+    return str(value)
+
+
+def card_peak_z(card: dict[str, Any]) -> float:
+    """The `peak_z` of the card's difficulty record if positive and finite, else `PEAK_Z`."""
+    from cagkv.refresh import PEAK_Z
+
+    record = card.get("difficulty")
+    try:
+        value = float(record.get("peak_z", PEAK_Z)) if isinstance(record, dict) else PEAK_Z
+    except (TypeError, ValueError):
+        return PEAK_Z
+    return value if math.isfinite(value) and value > 0 else PEAK_Z
+
+
 class Translator:
     """A trained translator for one (source, target) model pair. See module doc."""
 
@@ -243,23 +279,14 @@ class Translator:
     def default_refresh(self) -> float:
         """The share of chunk tokens `auto`/`translate` refresh when none is asked: the card's
         measured choice (`cagkv.refresh`; 0 where the card names none or a value outside [0, 1])."""
-        try:
-            value = float(self.card.get("default_refresh", 0.0) or 0.0)
-        except (TypeError, ValueError):
-            return 0.0
-        return value if 0.0 <= value <= 1.0 else 0.0
+        return card_default_refresh(self.card)
 
     @property
     def default_refresh_scoring(self) -> str:
         """How `auto`/`translate` rank the tokens to refresh when no scoring is asked: the card's
         measured choice, where it names one of `cagkv.refresh.SCORINGS` that this translator can
         run (a difficulty scoring needs its table), else `cagkv.refresh.DEFAULT_SCORING`."""
-        from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS
-
-        value = self.card.get("default_refresh_scoring")
-        if value not in SCORINGS or (value in NEEDS_DIFFICULTY and self.difficulty is None):
-            return DEFAULT_SCORING
-        return str(value)
+        return card_refresh_scoring(self.card, has_table=self.difficulty is not None)
 
     @property
     def difficulty(self) -> torch.Tensor | None:
@@ -276,14 +303,7 @@ class Translator:
         """Where "adaptive" refresh scoring switches to contrast (`cagkv.refresh.peakedness`):
         the threshold the card's difficulty record names, tuned for this target on held-out
         data (docs/EXPERIMENTS.md E77), else `cagkv.refresh.PEAK_Z` (tuned for E72's pair)."""
-        from cagkv.refresh import PEAK_Z
-
-        record = self.card.get("difficulty")
-        try:
-            value = float(record.get("peak_z", PEAK_Z)) if isinstance(record, dict) else PEAK_Z
-        except (TypeError, ValueError):
-            return PEAK_Z
-        return value if math.isfinite(value) and value > 0 else PEAK_Z
+        return card_peak_z(self.card)
 
     @property
     def replay_values(self) -> list[int]:

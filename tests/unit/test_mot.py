@@ -193,6 +193,41 @@ def test_artifact_round_trip_and_fingerprint_refusal(tmp_path: Path, monkeypatch
     assert find_translator(src.fingerprint, other.fingerprint) is None
     rows = [r for r in list_translators() if r["path"] == str(folder)]
     assert rows and rows[0]["quality"] == 0.7
+    # what `ask` does with it by default: no refresh, contrast, no table
+    assert (rows[0]["default_refresh"], rows[0]["default_refresh_scoring"]) == (0.0, "contrast")
+    assert rows[0]["difficulty_table"] is False and rows[0]["peak_z"] is None
+
+
+def test_listing_shows_the_cards_defaults_as_the_translator_reads_them(tmp_path: Path, monkeypatch) -> None:
+    from cagkv.cli.app import app
+    from cagkv.refresh import PEAK_Z
+    from cagkv.translate.difficulty import save_difficulty
+    from typer.testing import CliRunner
+
+    src, tgt = tiny_model("llama", 4), tiny_model("qwen2", 3)
+    card = {"source": {"name": "src", "fingerprint": src.fingerprint},
+            "target": {"name": "tgt", "fingerprint": tgt.fingerprint},
+            "default_refresh": 0.33, "default_refresh_scoring": "adaptive", "difficulty": {"peak_z": 20.0}}
+    folder = save_artifact(tmp_path / "translators" / "src__tgt", _translator(src, tgt).model, card)
+    monkeypatch.setenv("CAGKV_HOME", str(tmp_path))
+
+    def row():
+        loaded = load_translator(folder)
+        listed = [r for r in list_translators() if r["path"] == str(folder)][0]
+        return loaded, listed
+
+    loaded, listed = row()  # adaptive needs the table this folder lacks: contrast, as ask would run it
+    assert listed["default_refresh_scoring"] == loaded.default_refresh_scoring == "contrast"
+    assert listed["default_refresh"] == loaded.default_refresh == 0.33
+    assert not listed["difficulty_table"] and listed["peak_z"] is None
+    save_difficulty({"difficulty": torch.ones(tgt.config.vocab_size), "count": torch.zeros(tgt.config.vocab_size)}, folder)
+    loaded, listed = row()
+    assert listed["default_refresh_scoring"] == loaded.default_refresh_scoring == "adaptive"
+    assert listed["difficulty_table"] and listed["peak_z"] == loaded.peak_z == 20.0 != PEAK_Z
+    out = CliRunner().invoke(app, ["translators", "list"])
+    assert out.exit_code == 0, out.output
+    line = next(l for l in out.output.splitlines() if str(folder) in l)
+    assert "0.33 adaptive" in line and "yes (z 20)" in line
 
 
 def test_default_refresh_reads_the_card_and_ignores_what_is_not_a_share() -> None:
