@@ -6,6 +6,8 @@ built: the source's K/V and the target's own), measures each token's translation
 lands beside the weights as `difficulty.safetensors`; refresh's "difficulty",
 "contrast_difficulty", "union" and "adaptive" scorings read it. With `--out` the translator folder is copied there
 first (the shipped folder stays as it is).
+The card's `difficulty` record is rewritten for the new table; of the former record only
+`adaptive`'s tuned switch threshold (`peak_z`, E77) is kept.
 
 Several pair folders pool their chunks. Example (E69, the reverse pair; E70 added `--prior`):
     python benchmarks/fit_difficulty.py cagkv/translators/gemma3-270m__smollm2-135m \\
@@ -23,7 +25,7 @@ import torch
 
 from cagkv.models import load
 from cagkv.translate import load_translator
-from cagkv.translate.difficulty import PRIORS, fit_difficulty, save_difficulty
+from cagkv.translate.difficulty import PRIORS, card_record, fit_difficulty, save_difficulty
 from cagkv.translate.pairs import PairSet
 from cagkv.translate.train import Trainer, TrainConfig
 
@@ -55,13 +57,8 @@ def main() -> None:
     d = table["difficulty"][seen]
     card_path = folder / "card.json"
     written = json.loads(card_path.read_text())
-    written["difficulty"] = {
-        "file": path.name, "pairs_dirs": [str(f) for f in folders], "chunks": sum(len(s) for s in sets),
-        "prior": args.prior,
-        "ids_seen": int(seen.sum()), "tokens": int(table["count"].sum()),
-        "range_seen": [round(float(d.min()), 3), round(float(d.max()), 3)],
-        "how": "benchmarks/fit_difficulty.py (docs/EXPERIMENTS.md E69)",
-    }
+    written["difficulty"] = card_record(table, [str(f) for f in folders], sum(len(s) for s in sets), args.prior,
+                                        previous=written.get("difficulty"))
     card_path.write_text(json.dumps(written, indent=1, sort_keys=True) + "\n")
     print(f"{path}: {int(seen.sum())} token ids seen in {int(table['count'].sum())} tokens; "
           f"difficulty of seen ids: min {float(d.min()):.2f}, median {float(d.median()):.2f}, max {float(d.max()):.2f}")

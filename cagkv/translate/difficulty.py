@@ -29,9 +29,13 @@ if TYPE_CHECKING:
     from cagkv.translate.pairs import PairSet
     from cagkv.translate.train import Trainer
 
-__all__ = ["DIFFICULTY_FILE", "PRIORS", "token_errors", "fit_difficulty", "save_difficulty", "load_difficulty"]
+__all__ = ["DIFFICULTY_FILE", "PRIORS", "token_errors", "fit_difficulty", "save_difficulty", "load_difficulty",
+           "card_record"]
 
 DIFFICULTY_FILE = "difficulty.safetensors"
+# what a refit keeps of the card's former record: adaptive's switch is tuned on the contrast
+# score's peakedness (cagkv.refresh.peakedness), which the table does not enter (E77)
+KEPT_ON_REFIT = ("peak_z", "peak_z_from")
 PRIOR_COUNT = 3.0  # an id seen n times weighs its own mean n / (n + 3) against the prior (PRIORS)
 
 
@@ -100,6 +104,21 @@ def save_difficulty(table: dict[str, torch.Tensor], folder: str | Path) -> Path:
     kinds = {"difficulty": torch.float32, "count": torch.int32}
     save_file({k: v.to(kinds.get(k, v.dtype)).contiguous() for k, v in table.items()}, str(path))
     return path
+
+
+def card_record(table: dict[str, torch.Tensor], pairs_dirs: Sequence[str], chunks: int, prior: str,
+                previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The card's `difficulty` record for a fitted `table`. Of a `previous` record only the
+    switch threshold is kept (`KEPT_ON_REFIT`): its counts, range and note described the old table."""
+    seen = table["count"] > 0
+    d = table["difficulty"][seen]
+    kept = {k: v for k, v in (previous or {}).items() if k in KEPT_ON_REFIT}
+    return {
+        "file": DIFFICULTY_FILE, "pairs_dirs": [str(p) for p in pairs_dirs], "chunks": int(chunks), "prior": prior,
+        "ids_seen": int(seen.sum()), "tokens": int(table["count"].sum()),
+        "range_seen": [round(float(d.min()), 3), round(float(d.max()), 3)] if len(d) else [],
+        "how": "benchmarks/fit_difficulty.py (docs/EXPERIMENTS.md E69)", **kept,
+    }
 
 
 def load_difficulty(folder: str | Path) -> torch.Tensor | None:

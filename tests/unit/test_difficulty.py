@@ -18,6 +18,7 @@ from cagkv.translate.corpus import Continuation, Sample  # noqa: E402
 from cagkv.translate.difficulty import (  # noqa: E402
     DIFFICULTY_FILE,
     PRIOR_COUNT,
+    card_record,
     fit_difficulty,
     load_difficulty,
     save_difficulty,
@@ -136,6 +137,18 @@ def test_table_round_trips_and_bad_files_are_refused(tmp_path: Path) -> None:
     save_difficulty({"count": torch.tensor([1.0])}, tmp_path)
     with pytest.raises(TranslatorError, match="unreadable"):
         load_difficulty(tmp_path)
+
+
+def test_a_refit_card_record_describes_the_new_table_and_keeps_only_the_switch_threshold() -> None:
+    table = {"difficulty": torch.tensor([0.5, 1.2, 2.0, 1.2]), "count": torch.tensor([4.0, 0.0, 1.0, 2.0])}
+    previous = {"ids_seen": 1, "tokens": 1, "range_seen": [0.9, 1.1], "note": "about the old table",
+                "peak_z": 14.44, "peak_z_from": "E77"}
+    record = card_record(table, ["/pairs/a", "/pairs/b"], 12, "singletons", previous=previous)
+    assert record["ids_seen"] == 3 and record["tokens"] == 7 and record["chunks"] == 12
+    assert record["range_seen"] == [0.5, 2.0] and record["pairs_dirs"] == ["/pairs/a", "/pairs/b"]
+    assert record["peak_z"] == 14.44 and record["peak_z_from"] == "E77"
+    assert "note" not in record and record["file"] == DIFFICULTY_FILE
+    assert "peak_z" not in card_record(table, [], 0, "mean")
 
 
 def test_translator_reads_its_table_beside_the_weights(trainer: Trainer, tmp_path: Path) -> None:
