@@ -45,6 +45,10 @@ def eval_command(
     markdown: str = typer.Option(None, "--markdown", help="Also write a markdown table."),
     threads: int = typer.Option(0, "--threads", help="torch CPU threads (0: torch's default)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    shard: str = typer.Option(None, "--shard",
+                              help="K/N: answer only every N-th question from the K-th, into a file "
+                                   "beside --out, to split a run over N processes; then run once "
+                                   "without --shard to collect the rows and write the report."),
 ) -> None:
     """Compare modes on a QA set: EM, F1, answer log-prob, recovery, TTFT split."""
     if threads < 0:
@@ -54,7 +58,7 @@ def eval_command(
 
         torch.set_num_threads(threads)
     from cagkv.eval.report import to_markdown
-    from cagkv.eval.runner import EvalConfig, command_line, run_eval
+    from cagkv.eval.runner import EvalConfig, command_line, parse_shard, run_eval
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if limit is not None and limit <= 0:
@@ -67,9 +71,12 @@ def eval_command(
         max_new_tokens=max_new_tokens,
         replay=replay, chunk_tokens=chunk_tokens, kl_text=kl_text, kl_windows=kl_windows,
         dtype=dtype, ingest_dtype=ingest_dtype, device=device, embedder=embedder, out=out, markdown=markdown, store=store,
-        command=command_line(),
+        command=command_line(), shard=parse_shard(shard) if shard else None,
     )
     report = run_eval(config, progress=progress)
+    if shard:
+        typer.echo(f"shard {shard}: {report['n']} questions done; run again without --shard to write {out}",
+                   err=True)
     typer.echo(to_markdown(report))
     if out is None:
         summary = {k: report[k] for k in ("dataset", "canonical", "target", "n", "modes", "recovery")}

@@ -14,11 +14,17 @@
 Rows are appended to `<out>.partial.jsonl` as they are produced; a rerun with the same
 settings skips them (the sample of N is a prefix of the sample of M > N, so `--limit`
 may grow and `--modes` may gain modes between runs).
+
+Shards (`shard=(K, N)`, `--shard K/N`) split one run over processes: shard K answers the
+examples at positions K-1, K-1+N, ... of the sample into `<out>.shardKofN.partial.jsonl`
+(its own store too), skipping rows any other file already holds, and writes no report; a
+run without `--shard` then collects every shard's rows and writes it.
 """
 
 from __future__ import annotations
 
 import copy
+import glob
 import hashlib
 import json
 import math
@@ -80,6 +86,7 @@ class EvalConfig:
     store: str | None = None  # keep the eval store here (reused by a rerun); temporary if None
     n_boot: int = 2000
     command: str | None = None
+    shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
     variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING]]"
 
@@ -105,6 +112,12 @@ class EvalConfig:
             raise UsageError(f"--modes: duplicate mode in {','.join(self.modes)}")
         if "auto" in self.modes:
             raise UsageError("--modes: 'auto' is not a fixed mode; name the modes to compare")
+        if self.shard is not None:
+            k, n = self.shard
+            if not 1 <= k <= n:
+                raise UsageError(f"--shard: expected K/N with 1 <= K <= N, got {k}/{n}")
+            if not self.out:
+                raise UsageError("--shard needs --out: the shards' rows meet in files next to it")
         from cagkv.models.loading import parse_device
 
         self.device = str(parse_device(self.device))  # "auto" resolved: the header says where rows ran
@@ -125,6 +138,21 @@ class EvalConfig:
 # ---------------------------------------------------------------------- partial results
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """`"K/N"` -> (K, N), checked by EvalConfig."""
+    k, _, n = text.partition("/")
+    try:
+        return int(k), int(n)
+    except ValueError:
+        raise UsageError(f"--shard: expected K/N such as 1/2, got {text!r}") from None
+
+
+def partial_path_for(out: Path, shard: tuple[int, int] | None) -> Path:
+    """Where a run (or one shard of it) appends its finished rows."""
+    tag = "" if shard is None else f".shard{shard[0]}of{shard[1]}"
+    return out.with_name(f"{out.name}{tag}.partial.jsonl")
+
+
 def _row_settings(header: Any) -> Any:
     """A stored header less the keys that only selected examples (files written before
     max_context_chars left the header still resume)."""
@@ -143,9 +171,11 @@ class PartialResults:
         self.kl: dict[tuple[str, int], dict[str, Any]] = {}
 
     @classmethod
-    def open(cls, path: Path | None, header: dict[str, Any], final: Path | None = None) -> PartialResults:
+    def open(cls, path: Path | None, header: dict[str, Any], final: Path | None = None,
+             others: Sequence[Path] = ()) -> PartialResults:
         """Load rows of an earlier run with the same header: from `final` (a finished
-        results JSON) and from `path`; rows made with other settings raise `UsageError`."""
+        results JSON), from `others` (other shards' files, read only) and from `path`; rows
+        made with other settings raise `UsageError`."""
         results = cls(path, header)
         if final is not None and final.is_file():
             try:
@@ -158,27 +188,35 @@ class PartialResults:
                 for row in done.get("kl_rows", []):
                     results.kl[(row["mode"], int(row["window"]))] = row
         if path is not None and path.is_file():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            if lines:
-                first = json.loads(lines[0])
-                if _row_settings(first.get("header")) != header:
-                    raise UsageError(
-                        f"{path} holds rows made with other settings ({first.get('header')}); "
-                        "delete it or give another --out"
-                    )
-                for line in lines[1:]:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        break  # a line cut short by an interruption: recompute from here
-                    results._remember(row)
+            results._load_rows(path)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("w", encoding="utf-8") as handle:  # rewrite clean (drops a torn line)
                 handle.write(json.dumps({"header": header}) + "\n")
                 for row in [*results.qa.values(), *results.kl.values()]:
                     handle.write(json.dumps(row) + "\n")
+        for other in others:  # after the rewrite: their rows are skipped here, not copied
+            if other != path and other.is_file():
+                results._load_rows(other)
         return results
+
+    def _load_rows(self, path: Path) -> None:
+        """Remember the rows of a partial file written with this header."""
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if not lines:
+            return
+        first = json.loads(lines[0])
+        if _row_settings(first.get("header")) != self.header:
+            raise UsageError(
+                f"{path} holds rows made with other settings ({first.get('header')}); "
+                "delete it or give another --out"
+            )
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut short (an interruption, or a shard writing it now): recompute from here
+            self._remember(row)
 
     def _remember(self, row: dict[str, Any]) -> None:
         if row.get("kind") == "kl":
@@ -519,9 +557,16 @@ def run_eval(config: EvalConfig, progress: bool = True,
     """
     examples = load_dataset(config.dataset, config.limit, config.seed, config.max_context_chars)
     out = Path(config.out) if config.out else None
-    partial_path = out.with_name(out.name + ".partial.jsonl") if out else None
+    partial_path = partial_path_for(out, config.shard) if out else None
+    shard_files = sorted(out.parent.glob(f"{glob.escape(out.name)}.shard*of*.partial.jsonl")) if out else []
+    others = [p for p in [partial_path_for(out, None), *shard_files] if p != partial_path] if out else []
     header = config.header()
-    results = PartialResults.open(partial_path, header, final=out)
+    results = PartialResults.open(partial_path, header, final=out, others=others)
+    store_name = "store"
+    if config.shard is not None:
+        k, n = config.shard
+        examples = examples[k - 1 :: n]
+        store_name = f"store.shard{k}of{n}"  # shards run side by side: each ingests into its own
     make_engine = engine_factory or default_engine_factory(config)
     make_store = store_factory or default_store_factory(config)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -531,7 +576,7 @@ def run_eval(config: EvalConfig, progress: bool = True,
     with tempfile.TemporaryDirectory(prefix="cagkv-eval-") as tmp:
         workdir = Path(config.store) if config.store else Path(tmp)
         if todo:
-            store = make_store(workdir / "store")
+            store = make_store(workdir / store_name)
             doc_ids: dict[str, str] = {}
 
             def document_of(context: str) -> str:
@@ -554,7 +599,7 @@ def run_eval(config: EvalConfig, progress: bool = True,
                 results.add(evaluate_example(runner, example, mode, config, document_of(example.context)))
                 bar.update(1)
             bar.close()
-        if config.kl_text:
+        if config.kl_text and config.shard is None:  # the KL windows run with the collecting run
             evaluate_kl_text(make_engine, make_store, config, workdir, results, progress)
 
     ids = {e.id for e in examples}
@@ -565,9 +610,11 @@ def run_eval(config: EvalConfig, progress: bool = True,
         modes=config.modes, kl_rows=kl_rows, n_boot=config.n_boot, seed=config.seed,
         config=_run_config(config, header, started, commit),
     )
-    # keep the partial file while it holds rows this report leaves out (a larger --limit ran)
+    if config.shard is not None:
+        return report  # this shard's examples only: the run without --shard writes the files
+    # keep the partial files while they hold rows this report leaves out (a larger --limit ran)
     complete = len(rows) == len(results.qa) and len(kl_rows) == len(results.kl)
-    _write_outputs(report, config, partial_path if complete else None)
+    _write_outputs(report, config, [partial_path, *shard_files] if complete else [])
     return report
 
 
@@ -587,15 +634,16 @@ def _run_config(config: EvalConfig, header: dict[str, Any], started: str, commit
     }
 
 
-def _write_outputs(report: dict[str, Any], config: EvalConfig, partial_path: Path | None) -> None:
+def _write_outputs(report: dict[str, Any], config: EvalConfig, done_partials: Sequence[Path | None]) -> None:
     if config.out:
         out = Path(config.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, out)
-        if partial_path is not None and partial_path.exists():
-            partial_path.unlink()  # every row it held is in the results file now
+        for partial_path in done_partials:
+            if partial_path is not None and partial_path.exists():
+                partial_path.unlink()  # every row it held is in the results file now
     if config.markdown:
         md = Path(config.markdown)
         md.parent.mkdir(parents=True, exist_ok=True)

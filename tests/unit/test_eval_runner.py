@@ -244,6 +244,46 @@ def test_longer_contexts_extend_a_run_made_with_max_context_chars(dataset, model
     assert quality(short).items() <= quality(full).items()
 
 
+def test_shards_split_the_questions_and_a_plain_run_collects_them(dataset, models, tmp_path):
+    full = run_eval(config(dataset, models, tmp_path / "a"), progress=False)
+    out = tmp_path / "b" / "out" / "results.json"
+
+    def run(**kw):
+        cfg = config(dataset, models, tmp_path / "b", **kw)
+        CountingEngine.calls, CountingEngine.fail_after = 0, None
+        report = run_eval(cfg, progress=False,
+                          engine_factory=lambda s: CountingEngine(s, canonical=cfg.canonical, dtype="float32"))
+        return report, CountingEngine.calls
+
+    n_modes = 3
+    first, calls = run(shard=(1, 2))  # questions 1, 3, 5 of the sample
+    assert first["n"] == 3 and calls == n_modes + 3 * n_modes
+    assert not out.exists()  # a shard writes no report
+    assert (out.parent / "results.json.shard1of2.partial.jsonl").is_file()
+    # a shard skips rows another shard's file holds: 1/1 is every question, but only the
+    # other two are left to answer
+    every, calls = run(shard=(1, 1))
+    assert every["n"] == len(QUESTIONS) and calls == n_modes + 2 * n_modes
+    collected, calls = run()
+    assert calls == 0 and collected["n"] == len(QUESTIONS)
+    assert quality(collected) == quality(full)
+    assert collected["recovery"] == full["recovery"]
+    assert out.is_file() and not list(out.parent.glob("*.partial.jsonl"))
+
+
+def test_bad_shards_are_refused(dataset, models, tmp_path):
+    from cagkv.eval.runner import parse_shard
+
+    for shard in [(0, 2), (3, 2)]:
+        with pytest.raises(UsageError, match="1 <= K <= N"):
+            config(dataset, models, tmp_path, shard=shard)
+    with pytest.raises(UsageError, match="needs --out"):
+        config(dataset, models, tmp_path, shard=(1, 2), out=None)
+    with pytest.raises(UsageError, match="K/N"):
+        parse_shard("first")
+    assert parse_shard("2/3") == (2, 3)
+
+
 def test_other_settings_refuse_to_resume(tmp_path):
     path = tmp_path / "r.partial.jsonl"
     PartialResults.open(path, {"seed": 0})
