@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from cagkv.eval.metrics import Interval, bootstrap_mean, recovery
+from cagkv.eval.metrics import Interval, bootstrap_mean, normalize_answer, recovery, token_f1
 from cagkv.pipeline import TIMING_KEYS
 
 QUALITY_METRICS = ("em", "f1", "answer_logprob")
@@ -124,7 +124,28 @@ def agreement(rows: Sequence[dict[str, Any]], native: Sequence[dict[str, Any]]) 
             "same_answer": sum(r.get("prediction") == n.get("prediction") for r, n in pairs),
             "mean_abs_logprob_diff": round(sum(diffs) / len(diffs), 5) if diffs else None,
         }
+    out["answers"] = answer_agreement(rows, native)
     return out
+
+
+def answer_agreement(rows: Sequence[dict[str, Any]], native: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How close a mode's greedy answers are to native's, over every question: the same first
+    word, token F1 against native's answer, and how often its F1 is above / below native's.
+    A cache can give native's gold-answer likelihood and still send a long greedy answer
+    elsewhere after a few words; this says where F1 recovery's noise comes from."""
+    pairs = [(r, n) for r, n in zip(rows, native) if "prediction" in r and "prediction" in n]
+
+    def first_word(text: str) -> list[str]:
+        return normalize_answer(text).split()[:1]
+
+    return {
+        "n": len(pairs),
+        "same_first_word": sum(first_word(r["prediction"]) == first_word(n["prediction"]) for r, n in pairs),
+        "f1_vs_native": round(sum(token_f1(r["prediction"], [n["prediction"]]) for r, n in pairs) / len(pairs), 4)
+        if pairs else None,
+        "f1_above_native": sum(r.get("f1", 0.0) > n.get("f1", 0.0) for r, n in pairs),
+        "f1_below_native": sum(r.get("f1", 0.0) < n.get("f1", 0.0) for r, n in pairs),
+    }
 
 
 def _kl_columns(kl_rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, list[float]]:
@@ -202,6 +223,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             one, many = a["single_chunk"], a["multi_chunk"]
             lines.append(f"| {mode} | {one['same_answer']} / {one['n']} | {_plain(one['mean_abs_logprob_diff'], digits=4)} "
                          f"| {many['same_answer']} / {many['n']} | {_plain(many['mean_abs_logprob_diff'], digits=4)} |")
+        answers = {mode: a["answers"] for mode, a in report["agreement"].items() if a.get("answers")}
+        if answers:
+            lines += ["", "Greedy answers against native's, every question (token F1 of the answer against "
+                      "native's answer; questions whose F1 is above / below native's):", ""]
+            lines += ["| mode | same first word | F1 against native's answer | F1 above native's | F1 below native's |",
+                      "|---|---|---|---|---|"]
+            for mode, a in answers.items():
+                lines.append(f"| {mode} | {a['same_first_word']} / {a['n']} | {_plain(a['f1_vs_native'], digits=3)} "
+                             f"| {a['f1_above_native']} | {a['f1_below_native']} |")
     lines += ["", "Time to first token split, mean ms per question (first_token is the time from the "
               "question to the first token, so it includes the phases to its left; total includes "
               "the whole answer):", ""]

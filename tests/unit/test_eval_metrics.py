@@ -273,6 +273,21 @@ def test_agreement_splits_single_and_multi_chunk_questions() -> None:
     a = agreement(mode, native)
     assert a["single_chunk"] == {"n": 1, "same_answer": 1, "mean_abs_logprob_diff": 0.0}
     assert a["multi_chunk"] == {"n": 2, "same_answer": 1, "mean_abs_logprob_diff": 0.5}
+    assert a["answers"]["n"] == 3 and a["answers"]["same_first_word"] == 2
+
+
+def test_answer_agreement_compares_greedy_answers_with_natives() -> None:
+    from cagkv.eval.report import answer_agreement
+
+    native = [{"prediction": "The Seine river", "f1": 0.5}, {"prediction": "Paris", "f1": 1.0},
+              {"prediction": "in 1912", "f1": 0.0}]
+    mode = [{"prediction": "the Seine", "f1": 1.0}, {"prediction": "Lyon, France", "f1": 0.0},
+            {"prediction": "In 1912", "f1": 0.0}]
+    a = answer_agreement(mode, native)
+    # "the"/"The" and "In"/"in" are the same first word once normalised (articles dropped: "seine")
+    assert a["n"] == 3 and a["same_first_word"] == 2
+    assert a["f1_vs_native"] == round((2 / 3 + 0.0 + 1.0) / 3, 4)  # "seine" against "seine river"
+    assert (a["f1_above_native"], a["f1_below_native"]) == (1, 1)
 
 
 def test_needle_grid_and_length_table() -> None:
