@@ -191,6 +191,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         if cfg.get(key) is not None:
             value = f"`{cfg[key]}`" if key == "command" else str(cfg[key])
             lines.append(f"- {label}: {value}")
+    for source in cfg.get("merged_from", []):  # benchmarks/merge_modes.py: rows of another run
+        other = source.get("config", {})
+        lines.append(f"- mode {source['mode']}: mode {source['from_mode']} of `{other.get('command')}` "
+                     f"(commit {other.get('commit')}, {other.get('finished')})")
     lines += [
         "",
         "Quality per mode, mean with bootstrap 95 % interval (EM and F1 in %, answer log-prob in nats/token):",

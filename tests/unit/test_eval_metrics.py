@@ -422,3 +422,35 @@ def test_oracle_layers_hybrid_takes_exactly_the_named_layers_and_parts() -> None
     nat.cache.layers[0].keys = torch.zeros(1, 2, 6, 4)
     with pytest.raises(ValueError, match="layer 0"):
         hybrid(tr, nat, [0], "kv")
+
+
+def test_merge_modes_scores_another_runs_rows_against_the_same_baselines() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from merge_modes import merge, parse_add
+
+    from cagkv.eval.report import to_markdown
+
+    rows = _synthetic_rows(4)
+    base = build_report(rows, dataset="t", canonical="a", target="b", modes=["none", "native", "translate"],
+                        config={"command": "cagkv eval base", "seed": 0})
+    other_rows = [{**r, "f1": r["f1"] * 0.5} for r in rows if r["mode"] == "native"]
+    other = build_report(other_rows, dataset="t", canonical="a", target="b", modes=["native"],
+                         config={"command": "cagkv eval --dtype bfloat16", "commit": "abc"})
+    merged = merge(base, [(other, "native", "native_bf16")], ["none", "native", "native_bf16", "translate"],
+                   n_boot=50)
+    assert merged["n"] == 4 and set(merged["recovery"]) == {"native_bf16", "translate"}
+    assert merged["recovery"]["translate"]["f1"] == base["recovery"]["translate"]["f1"]
+    assert merged["recovery"]["native_bf16"]["f1"] == pytest.approx((0.45 - 0.1) / (0.9 - 0.1))
+    natives = {r["id"]: r["f1"] for r in merged["examples"] if r["mode"] == "native"}
+    halves = {r["id"]: r["f1"] for r in merged["examples"] if r["mode"] == "native_bf16"}
+    assert halves == {i: f * 0.5 for i, f in natives.items()}
+    assert "mode native_bf16: mode native of `cagkv eval --dtype bfloat16`" in to_markdown(merged)
+    assert parse_add("x/r.json:native=n2") == (Path("x/r.json"), "native", "n2")
+    for bad in ("x/r.json", "x/r.json:native", "x/r.json:=n2"):
+        with pytest.raises(SystemExit):
+            parse_add(bad)
+    with pytest.raises(SystemExit, match="already"):
+        merge(base, [(other, "native", "translate")], ["none", "native", "translate"])
