@@ -177,16 +177,8 @@ class PartialResults:
         results JSON), from `others` (other shards' files, read only) and from `path`; rows
         made with other settings raise `UsageError`."""
         results = cls(path, header)
-        if final is not None and final.is_file():
-            try:
-                done = json.loads(final.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                done = None
-            if isinstance(done, dict) and _row_settings(done.get("config", {}).get("header")) == header:
-                for row in done.get("examples", []):
-                    results.qa[(row["id"], row["mode"])] = row
-                for row in done.get("kl_rows", []):
-                    results.kl[(row["mode"], int(row["window"]))] = row
+        if final is not None:
+            results.load_final(final)
         if path is not None and path.is_file():
             results._load_rows(path)
         if path is not None:
@@ -199,6 +191,20 @@ class PartialResults:
             if other != path and other.is_file():
                 results._load_rows(other)
         return results
+
+    def load_final(self, final: Path) -> None:
+        """Remember the rows of a finished results JSON written with this header (others are ignored)."""
+        if not final.is_file():
+            return
+        try:
+            done = json.loads(final.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            return
+        if isinstance(done, dict) and _row_settings(done.get("config", {}).get("header")) == self.header:
+            for row in done.get("examples", []):
+                self.qa[(row["id"], row["mode"])] = row
+            for row in done.get("kl_rows", []):
+                self.kl[(row["mode"], int(row["window"]))] = row
 
     def _load_rows(self, path: Path) -> None:
         """Remember the rows of a partial file written with this header."""
@@ -561,7 +567,9 @@ def run_eval(config: EvalConfig, progress: bool = True,
     shard_files = sorted(out.parent.glob(f"{glob.escape(out.name)}.shard*of*.partial.jsonl")) if out else []
     others = [p for p in [partial_path_for(out, None), *shard_files] if p != partial_path] if out else []
     header = config.header()
-    results = PartialResults.open(partial_path, header, final=out, others=others)
+    results = PartialResults.open(partial_path, header, final=out if config.shard is None else None, others=others)
+    if config.shard is not None and out is not None:
+        results.load_final(out)  # read only: a shard's file holds just the rows it answers
     store_name = "store"
     if config.shard is not None:
         k, n = config.shard

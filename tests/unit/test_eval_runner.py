@@ -269,6 +269,11 @@ def test_shards_split_the_questions_and_a_plain_run_collects_them(dataset, model
     assert quality(collected) == quality(full)
     assert collected["recovery"] == full["recovery"]
     assert out.is_file() and not list(out.parent.glob("*.partial.jsonl"))
+    # a shard after the report: nothing left to answer, and the finished rows are read from
+    # the results file, not copied into the shard's own
+    again, calls = run(shard=(1, 2))
+    assert calls == 0 and again["n"] == 3
+    assert len((out.parent / "results.json.shard1of2.partial.jsonl").read_text().splitlines()) == 1
 
 
 def test_bad_shards_are_refused(dataset, models, tmp_path):
