@@ -262,6 +262,7 @@ class CAG:
         document_ids: Sequence[Any] | None = None,
         refresh: float | None = None,
         refresh_scoring: str | None = None,
+        refresh_shift: bool | None = None,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -291,6 +292,8 @@ class CAG:
             refresh = float(getattr(translator, "default_refresh", 0.0) or 0.0) if mode == "translate" else 0.0
             if refresh:
                 reason = "; ".join(r for r in (reason, f"refresh {refresh:g} (the translator card's default_refresh)") if r)
+        if refresh_shift and not refresh:
+            raise UsageError("refresh_shift moves the tokens a refresh leaves translated: it needs refresh > 0")
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:
@@ -347,9 +350,10 @@ class CAG:
             with _timer(timings, "replay"):
                 neutral_ids = [pending + fmt.question_suffix_ids(q) for q in NEUTRAL_QUESTIONS]
                 chosen = self.refresh(target_model, cache, n, prompt_ids, zip(starts, blocks), refresh, neutral_ids,
-                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed, difficulty=difficulty,
-                                      peak_z=getattr(translator, "peak_z", None))
-            if self.fuse_feed:
+                                      refresh_scoring, stop_ids=fmt.stop_ids, defer=self.fuse_feed and not refresh_shift,
+                                      difficulty=difficulty, peak_z=getattr(translator, "peak_z", None),
+                                      shift=bool(refresh_shift))
+            if self.fuse_feed and not refresh_shift:
                 stale.update(chosen)
         context = n + len(pending) - len(fmt.context_prefix_ids())
         return Prepared(
@@ -530,7 +534,8 @@ class CAG:
                 placed: Iterable[tuple[int, KVBlock]], fraction: float,
                 neutral_ids: Sequence[Sequence[int]] = (), scoring: str = DEFAULT_SCORING,
                 stop_ids: Sequence[int] = (), defer: bool = False,
-                difficulty: torch.Tensor | None = None, peak_z: float | None = None) -> dict[int, int]:
+                difficulty: torch.Tensor | None = None, peak_z: float | None = None,
+                shift: bool = False) -> dict[int, int]:
         """Recompute, in place, the `fraction` of the placed blocks' tokens (block start
         position, block) that `prompt_ids` need most over `cache`, ranked by `scoring` (by
         default relative to what the question-agnostic `neutral_ids` attend to:
@@ -538,9 +543,16 @@ class CAG:
         ending before `stop_ids`; the difficulty scorings read the translator's expected error
         per token id, `difficulty` `[V]`, and "adaptive" switches at `peak_z`, default
         `cagkv.refresh.PEAK_Z`). Returns the chosen positions -> their token ids; with
-        `defer` they are only chosen, for the question's forward to recompute (`Prepared.stale`)."""
-        from cagkv.refresh import NEEDS_DIFFICULTY, PEAK_Z, draft_answer, refresh_tokens, score_positions, top_positions
+        `defer` they are only chosen, for the question's forward to recompute (`Prepared.stale`).
+        With `shift` (which needs them recomputed here: not `defer`) each block's tokens left
+        translated move by the block's mean change of its refreshed ones (`cagkv.refresh.shift_translated`)."""
+        from cagkv.models.cache import layer_span
+        from cagkv.refresh import (NEEDS_DIFFICULTY, PEAK_Z, draft_answer, refresh_tokens, score_positions,
+                                   shift_translated, top_positions)
 
+        if shift and defer:
+            raise ValueError("shift needs the refreshed tokens recomputed before the question (defer=False)")
+        placed = list(placed)
         token_at: dict[int, int] = {}
         for start, block in placed:
             token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
@@ -557,8 +569,15 @@ class CAG:
         mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted, expected,
                                PEAK_Z if peak_z is None else peak_z)
         chosen = top_positions(mass, candidates, fraction)
+        stale = []
+        if shift:  # the translated entries the refresh replaces: what the shift is measured against
+            for i, layer in enumerate(cache.layers):
+                local = torch.as_tensor(chosen, dtype=torch.long, device=layer.keys.device) - layer_span(cache, i)[0]
+                stale.append((layer.keys[:, :, local].clone(), layer.values[:, :, local].clone()))
         if not defer:
             refresh_tokens(target.model, cache, [token_at[p] for p in chosen], chosen)
+        if shift:
+            shift_translated(cache, target.spec.rope, [(start, block.num_tokens) for start, block in placed], chosen, stale)
         return {p: token_at[p] for p in chosen}
 
     def _prefix_entry(self, target: LoadedModel, fmt: PromptFormat) -> tuple[Any, int]:

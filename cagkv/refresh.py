@@ -32,7 +32,7 @@ from cagkv.models.cache import full_copy, layer_span
 from cagkv.models.layers import decoder_of, forward_at, layer_types, run_layers
 
 __all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "PEAK_Z", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
-           "contrast", "pool", "union_rank", "peakedness", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "feed"]
+           "contrast", "pool", "union_rank", "peakedness", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "shift_translated", "feed"]
 
 # how refresh ranks chunk tokens: "attention", the mass the question gives them; "contrast", that
 # mass over the mass a question-agnostic prompt gives them (docs/EXPERIMENTS.md E43); "pooled",
@@ -56,6 +56,9 @@ PEAK_Z = 42.0
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
 _EAGER_SWITCH = threading.Lock()
+# `shift_translated` leaves a block as it is when fewer of its tokens were refreshed than this:
+# the mean change of a handful of tokens is mostly their own noise
+MIN_SHIFT_TOKENS = 8
 
 
 @torch.inference_mode()
@@ -271,6 +274,48 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
         local = torch.as_tensor(list(positions), dtype=torch.long, device=layer.keys.device) - first  # every position is held: checked
         layer.keys[:, :, local] = fresh.keys[:, :, total - first : total - first + count]
         layer.values[:, :, local] = fresh.values[:, :, total - first : total - first + count]
+
+
+@torch.inference_mode()
+def shift_translated(cache: Any, ropes: Sequence[Any], blocks: Sequence[tuple[int, int]], positions: Sequence[int],
+                     stale: Sequence[tuple[torch.Tensor, torch.Tensor]], min_tokens: int | None = None) -> None:
+    """Move each block's tokens that `refresh_tokens` left translated by the block's mean change
+    of its refreshed ones, per layer and head, in place (docs/EXPERIMENTS.md E84).
+
+    A translated chunk's error is partly one offset shared by all its tokens (of a layer, a
+    head); the refreshed tokens measure it: for them the cache now holds the target's own
+    keys and values, `stale` the translated ones they replaced (per layer: keys, values
+    `[B, H, len(positions), D]`, keys with RoPE). Keys are compared and moved before RoPE
+    (`ropes`, one per layer). `blocks`: (first position, token count) of each translated
+    block; separators and the prefix between them are left alone, and so is a block with
+    fewer than `min_tokens` refreshed tokens (default `MIN_SHIFT_TOKENS`).
+    """
+    from cagkv.models.rope import rotate, unrotate
+
+    chosen = torch.as_tensor(list(positions), dtype=torch.long)
+    for start, count in blocks:
+        inside = (chosen >= start) & (chosen < start + count)
+        if int(inside.sum()) < max(1, MIN_SHIFT_TOKENS if min_tokens is None else min_tokens):
+            continue
+        fresh_at = chosen[inside]
+        rest = torch.ones(count, dtype=torch.bool)
+        rest[fresh_at - start] = False
+        rest_at = torch.nonzero(rest).flatten() + start
+        if not len(rest_at):
+            continue
+        for (first, _), layer, rope, (old_k, old_v) in zip(_spans(cache), cache.layers, ropes, stale):
+            keys, values = layer.keys, layer.values
+            src, dst = (fresh_at - first).to(keys.device), (rest_at - first).to(keys.device)
+            old_k, old_v = old_k[:, :, inside.to(old_k.device)].float(), old_v[:, :, inside.to(old_v.device)].float()
+            dk = unrotate(keys[:, :, src].float() - old_k, fresh_at.to(keys.device), rope).mean(dim=2, keepdim=True)
+            dv = (values[:, :, src].float() - old_v).mean(dim=2, keepdim=True)
+            shape = (*dk.shape[:2], len(rest_at), dk.shape[-1])
+            keys[:, :, dst] = (keys[:, :, dst].float() + rotate(dk.expand(shape), rest_at.to(keys.device), rope)).to(keys.dtype)
+            values[:, :, dst] = (values[:, :, dst].float() + dv.expand(shape)).to(values.dtype)
+
+
+def _spans(cache: Any) -> list[tuple[int, int]]:
+    return [layer_span(cache, i) for i in range(len(cache.layers))]
 
 
 @torch.inference_mode()

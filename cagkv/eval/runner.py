@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING]]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING]]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING]], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -268,16 +268,20 @@ class Variant(NamedTuple):
     window: bool  # mot-window instead of translate
     refresh: float = 0.0  # share of the chunk tokens the target recomputes (cagkv.refresh)
     refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
+    refresh_shift: bool = False  # the rest of each block moved by its refreshed tokens' mean change
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING]]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
     if mod == "window":
         return Variant(path, None, True)
     if mod.startswith("refresh"):
+        mod, plus, flag = mod.partition("+")
+        if plus and flag != "shift":
+            raise UsageError(f"--modes: @refreshF[:SCORING]+FLAG takes the flag 'shift', got {flag!r}")
         fraction, _, scoring = mod[len("refresh"):].partition(":")
         try:
             refresh = float(fraction)
@@ -287,7 +291,7 @@ def variant_spec(spec: str) -> Variant:
             raise UsageError(f"--modes: @refresh takes a fraction in (0, 1], got {refresh}")
         if scoring and scoring not in SCORINGS:
             raise UsageError(f"--modes: @refresh{fraction}:SCORING takes one of {', '.join(SCORINGS)}, got {scoring!r}")
-        return Variant(path, 0, False, refresh, scoring or None)
+        return Variant(path, 0, False, refresh, scoring or None, bool(plus))
     try:
         replay = int(mod)
     except ValueError:
@@ -299,7 +303,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING]]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""
@@ -333,7 +337,8 @@ class ModeRunner:
         prepared = engine.prepare(question, target=self.config.target, mode=engine_mode,
                                   top_k=top_k or self.config.top_k, replay=replay,
                                   document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh,
-                                  refresh_scoring=None if variant is None else variant.refresh_scoring)
+                                  refresh_scoring=None if variant is None else variant.refresh_scoring,
+                                  refresh_shift=None if variant is None else variant.refresh_shift)
         return engine, prepared
 
 

@@ -299,6 +299,19 @@ class Translator:
         return self._difficulty
 
     @property
+    def kv_bias(self) -> dict[str, torch.Tensor] | None:
+        """The translator's mean error per target layer and KV head (`{"keys", "values"}`
+        `[L, H, D]`, keys before RoPE), added to every translation; read once from the
+        artifact's `kv_bias.safetensors` (`cagkv.translate.kv_bias`); None without one."""
+        if not hasattr(self, "_kv_bias"):
+            from cagkv.translate.kv_bias import load_kv_bias
+
+            cfg = self.model.cfg
+            self._kv_bias = (load_kv_bias(self.path, cfg.tgt_layers, cfg.tgt_kv_heads, cfg.tgt_head_dim)
+                             if self.path else None)
+        return self._kv_bias
+
+    @property
     def peak_z(self) -> float:
         """Where "adaptive" refresh scoring switches to contrast (`cagkv.refresh.peakedness`):
         the threshold the card's difficulty record names, tuned for this target on held-out
@@ -360,6 +373,10 @@ class Translator:
             hidden = out.hidden
         for (keys, values), (_, k_low, v_low) in zip(kv, lower or []):
             keys[:below], values[:below] = k_low, v_low
+        if self.kv_bias is not None:  # before replay: the layers it recomputes read the ones below
+            from cagkv.translate.kv_bias import apply_kv_bias
+
+            kv = [apply_kv_bias(keys, values, self.kv_bias) for keys, values in kv]
         if replay or window:
             t0 = time.perf_counter()
             for i, (keys, values) in enumerate(kv):

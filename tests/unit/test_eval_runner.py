@@ -387,14 +387,16 @@ def test_named_translator_variant_runs_translate_with_that_artifact(dataset, mod
 def test_variant_spec_names_artifact_replay_window_or_refresh():
     from cagkv.eval.runner import variant_spec
 
-    assert variant_spec("/a/b") == ("/a/b", None, False, 0.0, None)
-    assert variant_spec("/a/b@4") == ("/a/b", 4, False, 0.0, None)
-    assert variant_spec("@6") == ("", 6, False, 0.0, None)
-    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True, 0.0, None)
-    assert variant_spec("/a/b@refresh0.33") == ("/a/b", 0, False, 0.33, None)  # the card's scoring, else contrast
-    assert variant_spec("/a/b@refresh0.33:attention") == ("/a/b", 0, False, 0.33, "attention")
-    assert variant_spec("/a/b@refresh0.1:contrast") == ("/a/b", 0, False, 0.1, "contrast")
-    for bad in ("/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
+    assert variant_spec("/a/b") == ("/a/b", None, False, 0.0, None, False)
+    assert variant_spec("/a/b@4") == ("/a/b", 4, False, 0.0, None, False)
+    assert variant_spec("@6") == ("", 6, False, 0.0, None, False)
+    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True, 0.0, None, False)
+    assert variant_spec("/a/b@refresh0.33") == ("/a/b", 0, False, 0.33, None, False)  # the card's scoring, else contrast
+    assert variant_spec("/a/b@refresh0.33:attention") == ("/a/b", 0, False, 0.33, "attention", False)
+    assert variant_spec("/a/b@refresh0.1:contrast") == ("/a/b", 0, False, 0.1, "contrast", False)
+    assert variant_spec("/a/b@refresh0.2:adaptive+shift") == ("/a/b", 0, False, 0.2, "adaptive", True)
+    assert variant_spec("/a/b@refresh0.2+shift") == ("/a/b", 0, False, 0.2, None, True)
+    for bad in ("/a@refresh0.2+loud", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
         with pytest.raises(UsageError, match="--modes"):
             variant_spec(bad)
 

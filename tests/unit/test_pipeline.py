@@ -332,6 +332,28 @@ def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, m
         cag.prepare("q?", target=models["qwen2"], mode="translate", refresh=0.5, refresh_scoring="loud")
 
 
+def test_refresh_shift_moves_the_tokens_left_translated_and_refreshes_before_the_question(tmp_path, models, monkeypatch):
+    """With `refresh_shift` the chosen tokens are recomputed before the question (not in its
+    forward), and the blocks' other tokens move (`cagkv.refresh.shift_translated`); the
+    refreshed tokens themselves are those of a plain refresh."""
+    import cagkv.refresh
+
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    q, target = "Why did ships pass safely?", models["qwen2"]
+    monkeypatch.setattr(cagkv.refresh, "MIN_SHIFT_TOKENS", 1)
+    runs = {}
+    for shift in (False, True):
+        monkeypatch.setenv("CAGKV_FUSE_FEED", "0" if not shift else "1")  # the plain run refreshes first too
+        cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
+        runs[shift] = cag.prepare(q, target=target, mode="translate", top_k=3, refresh=0.4, refresh_shift=shift)
+    plain, shifted = runs[False], runs[True]
+    assert shifted.stale == {} and plain.stale == {}
+    moved = [int((a.values != b.values).any(dim=-1).sum()) for a, b in zip(plain.cache.layers, shifted.cache.layers)]
+    assert sum(moved) > 0
+    with pytest.raises(UsageError, match="refresh_shift"):
+        cag.prepare(q, target=target, mode="translate", refresh=0, refresh_shift=True)
+
+
 @pytest.mark.parametrize("target", ["qwen2", "gemma"])
 def test_refresh_in_the_questions_forward_equals_refreshing_first(tmp_path, models, target, monkeypatch):
     """`fuse_feed` recomputes the chosen tokens in the question's own forward: the same choice,

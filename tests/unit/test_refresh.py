@@ -11,7 +11,7 @@ from tiny_lms import tiny
 
 from cagkv.models.cache import full_cache
 from cagkv.refresh import (contrast, draft_answer, feed, pool, prompt_attention, question_attention,
-                           peakedness, refresh_tokens, top_positions, union_rank)
+                           peakedness, refresh_tokens, shift_translated, top_positions, union_rank)
 
 
 def _native(model, ids: torch.Tensor, cache_factory=full_cache):
@@ -44,6 +44,45 @@ def test_refreshing_corrupted_tokens_gives_back_the_native_cache(family: str, po
     for got, want in zip(cache.layers, native.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_shift_translated_removes_a_blocks_shared_offset_measured_on_its_refreshed_tokens(family: str) -> None:
+    """A block translated with one offset per layer and head (keys offset before RoPE) gets the
+    native cache back on its other tokens once its refreshed tokens show the offset; a block
+    with too few refreshed tokens, and the tokens outside every block, are left alone."""
+    from cagkv.models.rope import rotate
+    from cagkv.models.spec import ModelSpec
+
+    lm = tiny(family)
+    ropes = ModelSpec.from_config(lm.model.config).rope
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
+    native = _native(lm.model, ids)
+    blocks = [(2, 12), (15, 8)]  # positions 0-1 and 14: prefix and separator, never translated
+    translated = copy.deepcopy(native)
+    g = torch.Generator().manual_seed(3)
+    for layer, rope in zip(translated.layers, ropes):
+        for start, count in blocks:
+            at = torch.arange(start, start + count)
+            dk = torch.randn(*layer.keys.shape[:2], 1, layer.keys.shape[-1], generator=g)
+            dv = torch.randn(*layer.values.shape[:2], 1, layer.values.shape[-1], generator=g)
+            layer.keys[:, :, at] -= rotate(dk.expand(-1, -1, count, -1), at, rope)
+            layer.values[:, :, at] -= dv
+    chosen = [3, 5, 6, 9, 11, 16]  # four in the first block, two in the second
+    stale = [(layer.keys[:, :, chosen].clone(), layer.values[:, :, chosen].clone()) for layer in translated.layers]
+    cache = copy.deepcopy(translated)
+    for layer, want in zip(cache.layers, native.layers):  # what refresh_tokens would give them, idealised
+        layer.keys[:, :, chosen] = want.keys[:, :, chosen]
+        layer.values[:, :, chosen] = want.values[:, :, chosen]
+    shift_translated(cache, ropes, blocks, chosen, stale, min_tokens=3)
+    first, second, outside = list(range(2, 14)), list(range(15, 23)), [0, 1, 14, 23]
+    for got, want, was in zip(cache.layers, native.layers, translated.layers):
+        torch.testing.assert_close(got.keys[:, :, first], want.keys[:, :, first], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values[:, :, first], want.values[:, :, first], atol=1e-5, rtol=1e-5)
+        rest = [p for p in second if p != 16]
+        assert torch.equal(got.keys[:, :, rest], was.keys[:, :, rest])  # 2 refreshed < min_tokens
+        assert torch.equal(got.values[:, :, outside], was.values[:, :, outside])
+        assert torch.equal(got.keys[:, :, outside], was.keys[:, :, outside])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])

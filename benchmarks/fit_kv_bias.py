@@ -1,0 +1,91 @@
+"""Fit a translator's mean K/V error (`kv_bias.safetensors`) on held-out contexts.
+
+Each context goes through the real path (ingest with the canonical model into a temporary
+store; the engine's native prefill and its translation of the same chunk, assembled at the
+same positions), and `native - translated` is averaged per target layer and KV head, keys
+before RoPE (`cagkv.translate.kv_bias`). The translator folder is copied to `--out` and the
+offsets are written there with a `kv_bias` record in its card; the translation they are
+measured on is the folder's own without any earlier offsets.
+
+Example (E84: PubMedQA abstracts, a domain no evaluation uses):
+    python benchmarks/fit_kv_bias.py cagkv/translators/smollm2-135m__gemma3-270m \\
+        --dataset ../shared/data/pubmedqa_trainval.jsonl --contexts 100 --out ~/.cache/cagkv/runs/e84/gemma_bias
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cagkv.eval.datasets import load_dataset, unique_contexts
+from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
+from cagkv.models.cache import layer_span
+from cagkv.models.rope import unrotate
+from cagkv.pipeline import CAG
+from cagkv.translate import load_translator
+from cagkv.translate.kv_bias import KV_BIAS_FILE, BiasAccumulator, save_kv_bias
+
+
+def chunk_kv(prepared, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (RoPE removed) and values `[L, H, T, D]` of positions first..stop-1 of a prepared cache."""
+    spec, cache = prepared.target.spec, prepared.cache
+    keys, values = [], []
+    positions = torch.arange(first, stop)
+    for i, layer in enumerate(cache.layers):
+        held_from, _ = layer_span(cache, i)
+        k = layer.keys[0, :, first - held_from : stop - held_from].float()
+        keys.append(unrotate(k, positions.to(k.device), spec.rope[i]))
+        values.append(layer.values[0, :, first - held_from : stop - held_from].float())
+    return torch.stack(keys), torch.stack(values)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("translator", help="translator folder")
+    ap.add_argument("--dataset", required=True, help="JSONL with a 'context' per line (the eval format)")
+    ap.add_argument("--contexts", type=int, default=100, help="distinct contexts to fit on (first chunk of each)")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first SKIP distinct contexts of the seeded draw")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="copy the translator folder here and write the offsets there")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out).expanduser()
+    shutil.copytree(args.translator, out, dirs_exist_ok=True)
+    (out / KV_BIAS_FILE).unlink(missing_ok=True)  # measured on the folder's own translation
+    translator = load_translator(out)
+    card = translator.card
+    canonical, target = card["source"]["name"], card["target"]["name"]
+    config = EvalConfig(dataset=args.dataset, canonical=canonical, target=target)
+    contexts = unique_contexts(load_dataset(args.dataset, seed=args.seed))[args.skip : args.skip + args.contexts]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = default_store_factory(config)(Path(tmp) / "store")
+        engine = CAG(store, canonical=canonical, find_translator=lambda src, tgt: translator)
+        documents = ingest_contexts(store, contexts, config, prefix="bias", progress=True)
+        acc = BiasAccumulator()
+        for document in tqdm(documents, desc="native vs translated"):
+            native = engine.prepare("Summarise the text.", target=target, mode="native", document_ids=[document], top_k=1)
+            translated = engine.prepare("Summarise the text.", target=target, mode="translate", refresh=0.0,
+                                        document_ids=[document], top_k=1)
+            first, stop = len(native.fmt.context_prefix_ids()), translated.next_position  # the chunk's tokens
+            (native_k, native_v), (translated_k, translated_v) = chunk_kv(native, first, stop), chunk_kv(translated, first, stop)
+            acc.add(native_k, translated_k, native_v, translated_v)
+    bias = acc.result()
+    save_kv_bias(bias, out)
+    written = json.loads((out / "card.json").read_text())
+    written["kv_bias"] = {"dataset": Path(args.dataset).name, "contexts": len(contexts), "skip": args.skip,
+                          "seed": args.seed, "tokens": int(bias["tokens"]),
+                          "key_norm": round(float(bias["keys"].norm(dim=-1).mean()), 4),
+                          "value_norm": round(float(bias["values"].norm(dim=-1).mean()), 4)}
+    (out / "card.json").write_text(json.dumps(written, indent=2) + "\n")
+    print(json.dumps(written["kv_bias"]))
+
+
+if __name__ == "__main__":
+    main()

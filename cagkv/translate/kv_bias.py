@@ -1,0 +1,99 @@
+"""A translator's mean error: one key and one value offset per target layer and KV head.
+
+A translator trained end to end (its loss is the target's behaviour, not the keys and values
+themselves) can leave an offset shared by every token it translates: attention over the
+translated keys alone does not see a key offset (it adds the same logit to all of them), so
+the loss barely pushes against it, but the target's question tokens weigh translated keys
+against native ones (the prompt, separators, the question), and a value offset moves every
+output. `fit` averages `native - translated` over chunks of held-out text, keys before RoPE;
+`Translator` adds the offsets to what it translates when its folder holds `KV_BIAS_FILE`
+(docs/EXPERIMENTS.md E84).
+
+Example:
+    >>> acc = BiasAccumulator()                                   # doctest: +SKIP
+    >>> acc.add(native_keys, translated_keys, native_values, translated_values)  # [L, H, T, D]
+    >>> save_kv_bias(acc.result(), "my-translator/")              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cagkv.errors import TranslatorError
+
+__all__ = ["KV_BIAS_FILE", "BiasAccumulator", "save_kv_bias", "load_kv_bias", "apply_kv_bias"]
+
+KV_BIAS_FILE = "kv_bias.safetensors"
+
+
+class BiasAccumulator:
+    """Running sums of `native - translated` per layer and head, over every token added."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.tokens = 0
+
+    def add(self, native_keys: torch.Tensor, translated_keys: torch.Tensor, native_values: torch.Tensor,
+            translated_values: torch.Tensor) -> None:
+        """One chunk's keys (position-free) and values `[L, H, T, D]`, native and translated."""
+        shapes = {tuple(t.shape) for t in (native_keys, translated_keys, native_values, translated_values)}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 4:
+            raise ValueError(f"expected four tensors of one shape [L, H, T, D], got {sorted(shapes)}")
+        dk = (native_keys.float() - translated_keys.float()).sum(dim=2).cpu()
+        dv = (native_values.float() - translated_values.float()).sum(dim=2).cpu()
+        if self.keys is None:
+            self.keys, self.values = dk, dv
+        elif self.keys.shape != dk.shape:
+            raise ValueError(f"chunk of layers x heads x dim {tuple(dk.shape)}, earlier ones {tuple(self.keys.shape)}")
+        else:
+            self.keys += dk
+            self.values += dv
+        self.tokens += native_keys.shape[2]
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The mean offsets `{"keys", "values"}` `[L, H, D]` and the token count."""
+        if self.keys is None or self.values is None or not self.tokens:
+            raise ValueError("no tokens added")
+        return {"keys": self.keys / self.tokens, "values": self.values / self.tokens,
+                "tokens": torch.tensor(self.tokens, dtype=torch.int64)}
+
+
+def save_kv_bias(bias: dict[str, torch.Tensor], folder: str | Path) -> Path:
+    """Write the offsets beside a translator's weights (`KV_BIAS_FILE`)."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / KV_BIAS_FILE
+    save_file({k: v.contiguous() for k, v in bias.items()}, str(path))
+    return path
+
+
+def load_kv_bias(folder: str | Path, layers: int, heads: int, head_dim: int) -> dict[str, torch.Tensor] | None:
+    """The offsets saved in `folder` (float32 `[layers, heads, head_dim]` keys and values), or None without a file."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / KV_BIAS_FILE
+    if not path.exists():
+        return None
+    try:
+        saved: Any = load_file(str(path))
+        bias = {"keys": saved["keys"].float(), "values": saved["values"].float()}
+    except Exception as e:  # noqa: BLE001 - truncated / not safetensors / no such tensor
+        raise TranslatorError(f"kv bias at {path} is unreadable: {str(e).splitlines()[0]}") from None
+    want = (layers, heads, head_dim)
+    for name, t in bias.items():
+        if tuple(t.shape) != want or not torch.isfinite(t).all():
+            raise TranslatorError(f"kv bias at {path}: {name} must be finite, of shape {list(want)} "
+                                  f"(the target's layers, KV heads, head dim), got {list(t.shape)}")
+    return bias
+
+
+def apply_kv_bias(keys: torch.Tensor, values: torch.Tensor, bias: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position-free keys and values `[L, H, T, D]` plus the offsets: added in float32, rounded
+    once to the inputs' dtype."""
+    bk = bias["keys"].to(device=keys.device, dtype=torch.float32)[:, :, None]
+    bv = bias["values"].to(device=values.device, dtype=torch.float32)[:, :, None]
+    return (keys.float() + bk).to(keys.dtype), (values.float() + bv).to(values.dtype)
