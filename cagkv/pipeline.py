@@ -266,6 +266,9 @@ class CAG:
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
+        `refresh_shift` (with `refresh`): also move each block's tokens left translated by its
+        refreshed tokens' mean change (`CAG.refresh`); an experiment that lost 6.7 points
+        (docs/EXPERIMENTS.md E84), off by default.
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -545,7 +548,8 @@ class CAG:
         `cagkv.refresh.PEAK_Z`). Returns the chosen positions -> their token ids; with
         `defer` they are only chosen, for the question's forward to recompute (`Prepared.stale`).
         With `shift` (which needs them recomputed here: not `defer`) each block's tokens left
-        translated move by the block's mean change of its refreshed ones (`cagkv.refresh.shift_translated`)."""
+        translated move by the block's mean change of its refreshed ones (`cagkv.refresh.shift_translated`;
+        measured harmful, E84: kept for the comparison)."""
         from cagkv.models.cache import layer_span
         from cagkv.refresh import (NEEDS_DIFFICULTY, PEAK_Z, draft_answer, refresh_tokens, score_positions,
                                    shift_translated, top_positions)

@@ -280,7 +280,9 @@ def refresh_tokens(model: nn.Module, cache: Any, token_ids: Sequence[int], posit
 def shift_translated(cache: Any, ropes: Sequence[Any], blocks: Sequence[tuple[int, int]], positions: Sequence[int],
                      stale: Sequence[tuple[torch.Tensor, torch.Tensor]], min_tokens: int | None = None) -> None:
     """Move each block's tokens that `refresh_tokens` left translated by the block's mean change
-    of its refreshed ones, per layer and head, in place (docs/EXPERIMENTS.md E84).
+    of its refreshed ones, per layer and head, in place. Measured harmful: -6.7 points of
+    answer log-prob recovery at a third on SmolLM2 -> Gemma-3 (docs/EXPERIMENTS.md E84), so
+    refresh does not shift unless asked (`CAG.prepare(refresh_shift=True)`).
 
     A translated chunk's error is partly one offset shared by all its tokens (of a layer, a
     head); the refreshed tokens measure it: for them the cache now holds the target's own
