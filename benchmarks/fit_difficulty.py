@@ -53,15 +53,14 @@ def main() -> None:
     trainer = Trainer(source, target, sets[0], heldout, TrainConfig(), mot=translator.model.train(False))
     table = fit_difficulty(trainer, sets, progress=True, prior=args.prior)
     path = save_difficulty(table, folder)
-    seen = table["count"] > 0
-    d = table["difficulty"][seen]
     card_path = folder / "card.json"
     written = json.loads(card_path.read_text())
     written["difficulty"] = card_record(table, [str(f) for f in folders], sum(len(s) for s in sets), args.prior,
                                         previous=written.get("difficulty"))
     card_path.write_text(json.dumps(written, indent=1, sort_keys=True) + "\n")
-    print(f"{path}: {int(seen.sum())} token ids seen in {int(table['count'].sum())} tokens; "
-          f"difficulty of seen ids: min {float(d.min()):.2f}, median {float(d.median()):.2f}, max {float(d.max()):.2f}")
+    record = written["difficulty"]
+    print(f"{path}: {record['ids_seen']} token ids seen in {record['tokens']} tokens; "
+          f"difficulty of seen ids in {record['range_seen']} (min, max)")
 
 
 if __name__ == "__main__":

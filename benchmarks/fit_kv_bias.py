@@ -25,24 +25,10 @@ from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset, unique_contexts
 from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
-from cagkv.models.cache import layer_span
-from cagkv.models.rope import unrotate
+from cagkv.models.cache import extract_kv
 from cagkv.pipeline import CAG
 from cagkv.translate import load_translator
 from cagkv.translate.kv_bias import KV_BIAS_FILE, BiasAccumulator, save_kv_bias
-
-
-def chunk_kv(prepared, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys (RoPE removed) and values `[L, H, T, D]` of positions first..stop-1 of a prepared cache."""
-    spec, cache = prepared.target.spec, prepared.cache
-    keys, values = [], []
-    positions = torch.arange(first, stop)
-    for i, layer in enumerate(cache.layers):
-        held_from, _ = layer_span(cache, i)
-        k = layer.keys[0, :, first - held_from : stop - held_from].float()
-        keys.append(unrotate(k, positions.to(k.device), spec.rope[i]))
-        values.append(layer.values[0, :, first - held_from : stop - held_from].float())
-    return torch.stack(keys), torch.stack(values)
 
 
 def main() -> None:
@@ -74,7 +60,10 @@ def main() -> None:
             translated = engine.prepare("Summarise the text.", target=target, mode="translate", refresh=0.0,
                                         document_ids=[document], top_k=1)
             first, stop = len(native.fmt.context_prefix_ids()), translated.next_position  # the chunk's tokens
-            (native_k, native_v), (translated_k, translated_v) = chunk_kv(native, first, stop), chunk_kv(translated, first, stop)
+            positions = torch.arange(first, stop)
+            native_k, native_v = extract_kv(native.cache, native.target.spec, positions, start=first, dtype=torch.float32)
+            translated_k, translated_v = extract_kv(translated.cache, translated.target.spec, positions, start=first,
+                                                    dtype=torch.float32)
             acc.add(native_k, translated_k, native_v, translated_v)
     bias = acc.result()
     save_kv_bias(bias, out)
