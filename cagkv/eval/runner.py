@@ -615,8 +615,11 @@ def run_eval(config: EvalConfig, progress: bool = True,
         if config.kl_text and config.shard is None:  # the KL windows run with the collecting run
             evaluate_kl_text(make_engine, make_store, config, workdir, results, progress)
 
-    ids = {e.id for e in examples}
-    rows = [r for (i, m), r in results.qa.items() if i in ids and m in config.modes]
+    # in the sample's order whatever order the rows were answered in (shards, resumes): the
+    # report, its bootstrap draws included, is the one a single uninterrupted run gives
+    place = {e.id: k for k, e in enumerate(examples)}
+    rows = sorted((r for (i, m), r in results.qa.items() if i in place and m in config.modes),
+                  key=lambda r: place[r["id"]])
     kl_rows = [r for (m, _), r in results.kl.items() if m in config.modes]
     report = build_report(
         rows, dataset=Path(config.dataset).stem, canonical=config.canonical, target=config.target,

@@ -331,6 +331,30 @@ def test_recovery_difference_is_paired() -> None:
         recovery_difference(a[:3], b, none, native)
 
 
+def test_compare_modes_pairs_two_modes_over_a_range_of_the_questions() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from compare_modes import compare, parse_rows
+
+    rng = np.random.default_rng(1)
+    examples = []
+    for q in range(40):  # mode "a" recovers all of native's gain on the first 20 questions, none after
+        none, native = float(rng.normal(-5, 1)), float(rng.normal(-2, 1))
+        rows = {"none": none, "native": native, "a": native if q < 20 else none, "b": none + 0.5 * (native - none)}
+        examples += [{"id": f"q{q}", "mode": m, "f1": 0.0, "em": 0.0, "answer_logprob": v} for m, v in rows.items()]
+    report = {"examples": examples}
+    first, second = (compare(report, "a", "b", n_boot=200, rows=parse_rows(r)) for r in (":20", "20:"))
+    assert first["answer_logprob"][0] == pytest.approx(0.5) and second["answer_logprob"][0] == pytest.approx(-0.5)
+    assert first["n"][0] == second["n"][0] == 20
+    assert compare(report, "a", "b", n_boot=200)["n"][0] == 40
+    assert parse_rows("300:600") == slice(300, 600) and parse_rows(":") == slice(None, None)
+    for bad in ("300", "a:b"):
+        with pytest.raises(SystemExit, match="--rows"):
+            parse_rows(bad)
+
+
 def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     import sys
     from pathlib import Path

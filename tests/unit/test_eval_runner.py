@@ -268,6 +268,8 @@ def test_shards_split_the_questions_and_a_plain_run_collects_them(dataset, model
     assert calls == 0 and collected["n"] == len(QUESTIONS)
     assert quality(collected) == quality(full)
     assert collected["recovery"] == full["recovery"]
+    # in the sample's order, as the plain run reports them, not in the shards' order
+    assert [(e["id"], e["mode"]) for e in collected["examples"]] == [(e["id"], e["mode"]) for e in full["examples"]]
     assert out.is_file() and not list(out.parent.glob("*.partial.jsonl"))
     # a shard after the report: nothing left to answer, and the finished rows are read from
     # the results file, not copied into the shard's own
