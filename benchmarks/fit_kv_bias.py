@@ -21,14 +21,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset, unique_contexts
 from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
-from cagkv.models.cache import extract_kv
 from cagkv.pipeline import CAG
 from cagkv.translate import load_translator
-from cagkv.translate.kv_bias import KV_BIAS_FILE, BiasAccumulator, save_kv_bias
+from cagkv.translate.kv_bias import KV_BIAS_FILE, fit_kv_bias, save_kv_bias
 
 
 def main() -> None:
@@ -54,18 +52,7 @@ def main() -> None:
         store = default_store_factory(config)(Path(tmp) / "store")
         engine = CAG(store, canonical=canonical, find_translator=lambda src, tgt: translator)
         documents = ingest_contexts(store, contexts, config, prefix="bias", progress=True)
-        acc = BiasAccumulator()
-        for document in tqdm(documents, desc="native vs translated"):
-            native = engine.prepare("Summarise the text.", target=target, mode="native", document_ids=[document], top_k=1)
-            translated = engine.prepare("Summarise the text.", target=target, mode="translate", refresh=0.0,
-                                        document_ids=[document], top_k=1)
-            first, stop = len(native.fmt.context_prefix_ids()), translated.next_position  # the chunk's tokens
-            positions = torch.arange(first, stop)
-            native_k, native_v = extract_kv(native.cache, native.target.spec, positions, start=first, dtype=torch.float32)
-            translated_k, translated_v = extract_kv(translated.cache, translated.target.spec, positions, start=first,
-                                                    dtype=torch.float32)
-            acc.add(native_k, translated_k, native_v, translated_v)
-    bias = acc.result()
+        bias = fit_kv_bias(engine, target, documents, progress=True)
     save_kv_bias(bias, out)
     written = json.loads((out / "card.json").read_text())
     written["kv_bias"] = {"dataset": Path(args.dataset).name, "contexts": len(contexts), "skip": args.skip,

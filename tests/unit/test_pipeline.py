@@ -267,6 +267,35 @@ class NoiseTranslator(PrefillTranslator):
                        out.token_ids, out.offsets, out.text, out.model_fingerprint)  # fmt: skip
 
 
+class OffsetTranslator(PrefillTranslator):
+    """Native K/V minus one known offset per layer and KV head (keys before RoPE)."""
+
+    def __init__(self, keys, values):
+        super().__init__(with_separator=False)
+        self.keys, self.values = keys, values
+
+    def translate(self, block, target):
+        out = super().translate(block, target)
+        return KVBlock(out.keys - self.keys[:, :, None], out.values - self.values[:, :, None], out.token_ids,
+                       out.offsets, out.text, out.model_fingerprint)  # fmt: skip
+
+
+def test_fit_kv_bias_finds_a_translators_shared_offset_through_the_engine(tmp_path, models):
+    target = "qwen2"  # the store's canonical is llama; the tiny Gemma's window (8) cannot hold a chunk
+    from cagkv.translate.kv_bias import fit_kv_bias
+
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    spec = base.model(models[target]).spec
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(spec.num_layers, spec.num_kv_heads, spec.head_dim, generator=g) for _ in range(2))
+    cag = CAG(base.store, find_translator=lambda src, tgt: OffsetTranslator(keys, values))
+    documents = [d.id for d in base.store.list_documents()]
+    bias = fit_kv_bias(cag, models[target], documents)
+    torch.testing.assert_close(bias["keys"], keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(bias["values"], values, atol=1e-4, rtol=1e-4)
+    assert int(bias["tokens"]) >= 2 * 12  # both documents' first chunks, each of several tokens
+
+
 def _next_token_logits(cag, prepared):
     from cagkv.eval.runner import continuation_logits
 
