@@ -31,16 +31,10 @@ from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset
 from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
-from cagkv.models.cache import extract_kv
 from cagkv.pipeline import CAG
 from cagkv.refresh import prompt_attention
 from cagkv.translate import find_translator, load_translator
-
-
-
-def chunk_kv(prepared, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    positions = torch.arange(first, stop)
-    return extract_kv(prepared.cache, prepared.target.spec, positions, start=first, dtype=torch.float32)
+from cagkv.translate.kv_bias import chunk_kv
 
 
 def errors(native: torch.Tensor, translated: torch.Tensor, refreshed: torch.Tensor, chosen: torch.Tensor,
@@ -122,9 +116,11 @@ def main() -> None:
                     per_layer[f"{part} {name}"].append(value)
                 offsets[part].append((nat[:, :, ~chosen] - tra[:, :, ~chosen]).mean(dim=2))
             shares["native"].append(attention_share(native, stop))
+            shares["translated"].append(attention_share(translated, stop))  # the pass reads a copy of the cache
             for name, other in engines.items():
-                shares[name].append(attention_share(other.prepare(example.question, mode="translate", refresh=0.0, **ask),
-                                                    stop))
+                if name != "translated":
+                    shares[name].append(attention_share(
+                        other.prepare(example.question, mode="translate", refresh=0.0, **ask), stop))
     result = {"errors": {k: torch.stack(v).mean(dim=0).tolist() for k, v in per_layer.items()},
               "attention_share": {k: dict(zip(("prefix", "first_token", "chunk"), torch.tensor(v).mean(dim=0).tolist()))
                                   for k, v in shares.items()},

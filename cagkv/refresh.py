@@ -295,6 +295,7 @@ def shift_translated(cache: Any, ropes: Sequence[Any], blocks: Sequence[tuple[in
     from cagkv.models.rope import rotate, unrotate
 
     chosen = torch.as_tensor(list(positions), dtype=torch.long)
+    spans = [layer_span(cache, i) for i in range(len(cache.layers))]
     for start, count in blocks:
         inside = (chosen >= start) & (chosen < start + count)
         if int(inside.sum()) < max(1, MIN_SHIFT_TOKENS if min_tokens is None else min_tokens):
@@ -305,7 +306,7 @@ def shift_translated(cache: Any, ropes: Sequence[Any], blocks: Sequence[tuple[in
         rest_at = torch.nonzero(rest).flatten() + start
         if not len(rest_at):
             continue
-        for (first, _), layer, rope, (old_k, old_v) in zip(_spans(cache), cache.layers, ropes, stale):
+        for (first, _), layer, rope, (old_k, old_v) in zip(spans, cache.layers, ropes, stale):
             keys, values = layer.keys, layer.values
             src, dst = (fresh_at - first).to(keys.device), (rest_at - first).to(keys.device)
             old_k, old_v = old_k[:, :, inside.to(old_k.device)].float(), old_v[:, :, inside.to(old_v.device)].float()
@@ -314,10 +315,6 @@ def shift_translated(cache: Any, ropes: Sequence[Any], blocks: Sequence[tuple[in
             shape = (*dk.shape[:2], len(rest_at), dk.shape[-1])
             keys[:, :, dst] = (keys[:, :, dst].float() + rotate(dk.expand(shape), rest_at.to(keys.device), rope)).to(keys.dtype)
             values[:, :, dst] = (values[:, :, dst].float() + dv.expand(shape)).to(values.dtype)
-
-
-def _spans(cache: Any) -> list[tuple[int, int]]:
-    return [layer_span(cache, i) for i in range(len(cache.layers))]
 
 
 @torch.inference_mode()

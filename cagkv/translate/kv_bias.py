@@ -29,7 +29,7 @@ import torch
 
 from cagkv.errors import TranslatorError
 
-__all__ = ["KV_BIAS_FILE", "BiasAccumulator", "fit_kv_bias", "save_kv_bias", "load_kv_bias", "apply_kv_bias"]
+__all__ = ["KV_BIAS_FILE", "BiasAccumulator", "chunk_kv", "fit_kv_bias", "save_kv_bias", "load_kv_bias", "apply_kv_bias"]
 
 KV_BIAS_FILE = "kv_bias.safetensors"
 FIT_QUESTION = "Summarise the text."  # the question is not in the cache: any will do
@@ -68,6 +68,14 @@ class BiasAccumulator:
                 "tokens": torch.tensor(self.tokens, dtype=torch.int64)}
 
 
+def chunk_kv(prepared: Any, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys (RoPE removed) and values `[L, H, T, D]` of positions `first..stop-1` of a
+    `Prepared` cache (`cagkv.models.cache.extract_kv`)."""
+    from cagkv.models.cache import extract_kv
+
+    return extract_kv(prepared.cache, prepared.target.spec, torch.arange(first, stop), start=first, dtype=torch.float32)
+
+
 def fit_kv_bias(engine: Any, target: str, document_ids: Sequence[Any], progress: bool = False) -> dict[str, torch.Tensor]:
     """`native - translated` averaged over the first retrieved chunk of each stored document,
     through `engine`'s own path (`CAG.prepare`): its native prefill and its translation (r = 0,
@@ -76,17 +84,13 @@ def fit_kv_bias(engine: Any, target: str, document_ids: Sequence[Any], progress:
     tokens on Gemma-3 against chunks of 256); `extract_kv` says so where one does not."""
     from tqdm import tqdm
 
-    from cagkv.models.cache import extract_kv
-
     acc = BiasAccumulator()
     for document in tqdm(document_ids, desc="native vs translated", disable=not progress):
         ask = dict(target=target, document_ids=[document], top_k=1)
         native = engine.prepare(FIT_QUESTION, mode="native", **ask)
         translated = engine.prepare(FIT_QUESTION, mode="translate", replay=0, refresh=0.0, **ask)
         first, stop = len(native.fmt.context_prefix_ids()), translated.next_position  # the chunk's tokens
-        positions = torch.arange(first, stop)
-        (native_k, native_v), (translated_k, translated_v) = (
-            extract_kv(p.cache, p.target.spec, positions, start=first, dtype=torch.float32) for p in (native, translated))
+        (native_k, native_v), (translated_k, translated_v) = (chunk_kv(p, first, stop) for p in (native, translated))
         acc.add(native_k, translated_k, native_v, translated_v)
     return acc.result()
 
