@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -51,7 +52,7 @@ import torch
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
-from cagkv.models.layers import forward_at
+from cagkv.models.layers import AttentionBias, forward_at
 from cagkv.prompt import PromptFormat
 from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed
 from cagkv.stores.records import ChunksChangedError
@@ -141,6 +142,7 @@ class Prepared:
     started: float  # perf_counter() when prepare began (first_token / total count from here)
     mode_reason: str = ""
     stale: dict[int, int] = field(default_factory=dict)
+    bias: AttentionBias | None = None  # added to the attention logits of the tokens left translated
 
 
 class AnswerStream:
@@ -263,12 +265,16 @@ class CAG:
         refresh: float | None = None,
         refresh_scoring: str | None = None,
         refresh_shift: bool | None = None,
+        attention_bias: float | None = None,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
         `refresh_shift` (with `refresh`): also move each block's tokens left translated by its
         refreshed tokens' mean change (`CAG.refresh`); an experiment that lost 6.7 points
         (docs/EXPERIMENTS.md E84), off by default.
+        `attention_bias` (mode translate): added to the attention logits of every chunk token
+        left translated, for the question and the answer (docs/EXPERIMENTS.md E86); None: the
+        translator card's `attention_bias` (0 where it names none).
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -297,6 +303,12 @@ class CAG:
                 reason = "; ".join(r for r in (reason, f"refresh {refresh:g} (the translator card's default_refresh)") if r)
         if refresh_shift and not refresh:
             raise UsageError("refresh_shift moves the tokens a refresh leaves translated: it needs refresh > 0")
+        if attention_bias is not None and not math.isfinite(attention_bias):
+            raise UsageError(f"attention_bias must be a finite number, got {attention_bias}")
+        if attention_bias and mode != "translate":
+            raise UsageError(f"attention_bias acts on translated tokens: it needs mode translate (mode {mode} ran)")
+        if attention_bias is None:  # the card's measured bias (docs/EXPERIMENTS.md E86)
+            attention_bias = float(getattr(translator, "attention_bias", 0.0) or 0.0) if mode == "translate" else 0.0
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:
@@ -343,6 +355,7 @@ class CAG:
                 blocks = self.translate(blocks, translator, target_model, replay, timings, window=mode == "mot-window")
 
         stale: dict[int, int] = {}
+        chosen: dict[int, int] = {}
         with _timer(timings, "prefill"):
             if mode == "native":
                 cache, n, pending = self.prefill_native(target_model, fmt, [h.text for h in in_context])
@@ -359,6 +372,11 @@ class CAG:
             if self.fuse_feed and not refresh_shift:
                 stale.update(chosen)
         context = n + len(pending) - len(fmt.context_prefix_ids())
+        bias = None
+        if attention_bias and blocks:
+            left = [p for start, block in zip(starts, blocks) for p in range(start, start + block.num_tokens)
+                    if p not in chosen]
+            bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias)
         return Prepared(
             target=target_model,
             mode=mode,
@@ -372,6 +390,7 @@ class CAG:
             started=started,
             mode_reason=reason,
             stale=stale,
+            bias=bias,
         )
 
     def generate(self, prepared: Prepared, max_new_tokens: int = 64) -> Answer:
@@ -647,7 +666,7 @@ class CAG:
         t0 = time.perf_counter()
         with torch.inference_mode():
             cache, logits = feed(target.model, prepared.cache, prepared.next_position, prepared.prompt_ids,
-                                 prepared.stale)
+                                 prepared.stale, bias=prepared.bias)
         timings["prefill"] += (time.perf_counter() - t0) * 1000
         # the first token is the argmax of these logits: time to first token ends here
         timings["first_token"] = _ms_since(prepared.started)
@@ -710,16 +729,17 @@ def _greedy(
             yield piece, generated, emitted
         if stop or len(generated) == max_new_tokens:
             break
-        out = _forward(target, [token], cache, position)
+        out = _forward(target, [token], cache, position, prepared.bias)
         cache, position, logits = out.cache, position + 1, out.logits[0, -1]
 
 
 @torch.inference_mode()
-def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int) -> Any:
+def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int,
+             bias: AttentionBias | None = None) -> Any:
     """One forward of `ids` at positions start.. into `cache` (a new one when None)."""
     if not ids:
         raise UsageError("empty prompt")
-    return forward_at(loaded.model, ids, start, cache)
+    return forward_at(loaded.model, ids, start, cache, bias=bias)
 
 
 def _has_separator(block: KVBlock, sep: list[int]) -> bool:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from cagkv.models.cache import full_copy, layer_span
-from cagkv.models.layers import decoder_of, forward_at, layer_types, run_layers
+from cagkv.models.layers import AttentionBias, decoder_of, forward_at, head_logits, layer_types, run_layers
 
 __all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "PEAK_Z", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
            "contrast", "pool", "union_rank", "peakedness", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "shift_translated", "feed"]
@@ -319,7 +319,7 @@ def shift_translated(cache: Any, ropes: Sequence[Any], blocks: Sequence[tuple[in
 
 @torch.inference_mode()
 def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[int, int] | None = None,
-         keep: int = 1) -> tuple[Any, torch.Tensor]:
+         keep: int = 1, bias: AttentionBias | None = None) -> tuple[Any, torch.Tensor]:
     """Feed `ids` at positions `n..` after the `n` cached tokens; returns (the cache holding
     `n + len(ids)` tokens, the logits `[keep, V]` of the last `keep` ids; all of them when 0).
 
@@ -330,17 +330,19 @@ def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[i
     the cost of a few tokens on a CPU. Without `stale` this is the model's own forward (which
     extends `cache` in place); with it `cache` is left as it was and the returned cache holds
     every token on every layer, in the layout the model builds for itself.
+    `bias` (`cagkv.models.layers.AttentionBias`) applies to the attention of `ids`, not to the
+    recomputed entries', which are computed as `refresh_tokens` computes them.
     """
     ids = list(ids)
     if not ids:
         raise ValueError("no tokens to feed")
     if not stale:
-        out = forward_at(model, ids, n, cache, keep)
+        out = forward_at(model, ids, n, cache, keep, bias=bias)
         return out.cache, out.logits[0]
     from cagkv.models.cache import full_cache, model_layout
 
     order = sorted(stale)
-    work, spans, hidden = _recompute(model, cache, [stale[p] for p in order], order, ids, n)
+    work, spans, hidden = _recompute(model, cache, [stale[p] for p in order], order, ids, n, bias)
     count = len(order)
     merged = full_cache()
     local = torch.as_tensor(order, dtype=torch.long, device=hidden.device)
@@ -351,20 +353,17 @@ def feed(model: nn.Module, cache: Any, n: int, ids: Sequence[int], stale: dict[i
         values[:, :, local - first] = values[:, :, held : held + count].clone()
         merged.update(torch.cat([keys[:, :, :held], keys[:, :, held + count :]], dim=2),
                       torch.cat([values[:, :, :held], values[:, :, held + count :]], dim=2), i)
-    inner = decoder_of(model)
     tail = hidden[:, count:] if keep == 0 else hidden[:, -keep:]
-    logits = model.lm_head(inner.norm(tail))
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return model_layout(inner.config, merged), logits[0]
+    return model_layout(decoder_of(model).config, merged), head_logits(model, tail)[0]
 
 
 def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions: Sequence[int],
-               appended: Sequence[int], n: int | None = None) -> tuple[Any, list[tuple[int, int]], torch.Tensor]:
+               appended: Sequence[int], n: int | None = None,
+               bias: AttentionBias | None = None) -> tuple[Any, list[tuple[int, int]], torch.Tensor]:
     """One pass of `token_ids` at `positions` (inside `cache`) followed by `appended` at `n..`:
     returns (a `full_copy` of the cache with their entries after the held ones, each layer's
-    (first, total) span held, the residual stream after the last layer `[1, T, E]`)."""
+    (first, total) span held, the residual stream after the last layer `[1, T, E]`). `bias`
+    applies to the rows of `appended` only."""
     if len(token_ids) != len(positions):
         raise ValueError(f"{len(token_ids)} tokens for {len(positions)} positions")
     pos = torch.as_tensor(list(positions), dtype=torch.long)
@@ -401,6 +400,8 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
         key_positions = torch.cat([held, queries])
         stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool, device=device)])
         masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
+        if bias is not None and bias.value != 0 and appended:
+            masks[kind][..., len(pos):, :] += bias.columns(key_positions).to(dtype)
     hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]], device=device))
     hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
     return work, spans, hidden

@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -269,19 +269,41 @@ class Variant(NamedTuple):
     refresh: float = 0.0  # share of the chunk tokens the target recomputes (cagkv.refresh)
     refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
     refresh_shift: bool = False  # the rest of each block moved by its refreshed tokens' mean change
+    attention_bias: float | None = None  # added to the translated tokens' attention logits; None: the card's
+
+
+def _flags(text: str) -> tuple[bool, float | None]:
+    """"shift" / "biasB" flags (each after a "+") -> (shift, attention bias or None)."""
+    shift, bias = False, None
+    for flag in text.split("+") if text else []:
+        if flag == "shift":
+            shift = True
+        elif flag.startswith("bias"):
+            try:
+                bias = float(flag[len("bias"):])
+            except ValueError:
+                raise UsageError(f"--modes: +biasB takes a number, as in +bias0.5, got {flag!r}") from None
+            if not math.isfinite(bias):
+                raise UsageError(f"--modes: +biasB takes a finite number, got {flag!r}")
+        else:
+            raise UsageError(f"--modes: flags after + are 'shift' and 'biasB', got {flag!r}")
+    return shift, bias
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
+    mod, _, flags = mod.partition("+")
+    shift, bias = _flags(flags)
+    if shift and not mod.startswith("refresh"):
+        raise UsageError(f"--modes: +shift moves what a refresh leaves translated: it needs @refreshF, got {spec!r}")
     if mod == "window":
+        if bias is not None:
+            raise UsageError(f"--modes: +biasB acts on translated tokens, not on @window, got {spec!r}")
         return Variant(path, None, True)
     if mod.startswith("refresh"):
-        mod, plus, flag = mod.partition("+")
-        if plus and flag != "shift":
-            raise UsageError(f"--modes: @refreshF[:SCORING]+FLAG takes the flag 'shift', got {flag!r}")
         fraction, _, scoring = mod[len("refresh"):].partition(":")
         try:
             refresh = float(fraction)
@@ -291,19 +313,19 @@ def variant_spec(spec: str) -> Variant:
             raise UsageError(f"--modes: @refresh takes a fraction in (0, 1], got {refresh}")
         if scoring and scoring not in SCORINGS:
             raise UsageError(f"--modes: @refresh{fraction}:SCORING takes one of {', '.join(SCORINGS)}, got {scoring!r}")
-        return Variant(path, 0, False, refresh, scoring or None, bool(plus))
+        return Variant(path, 0, False, refresh, scoring or None, shift, bias)
     try:
         replay = int(mod)
     except ValueError:
         raise UsageError(f"--modes: after @ expected a replay count, 'window' or 'refreshF', got {mod!r}") from None
     if replay < 0:
         raise UsageError(f"--modes: replay must be >= 0, got {replay}")
-    return Variant(path, replay, False)
+    return Variant(path, replay, False, attention_bias=bias)
 
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""
@@ -338,7 +360,8 @@ class ModeRunner:
                                   top_k=top_k or self.config.top_k, replay=replay,
                                   document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh,
                                   refresh_scoring=None if variant is None else variant.refresh_scoring,
-                                  refresh_shift=None if variant is None else variant.refresh_shift)
+                                  refresh_shift=None if variant is None else variant.refresh_shift,
+                                  attention_bias=None if variant is None else variant.attention_bias)
         return engine, prepared
 
 
@@ -388,7 +411,7 @@ def answer_ids(tokenizer: Any, prompt_ids: Sequence[int], answer: str) -> list[i
 
 def continuation_logits(prepared: Any, ids: Sequence[int]) -> torch.Tensor:
     """Logits [T, V] of the target over `ids` placed after a copy of the prepared cache
-    (its stale entries computed in the same forward, as `generate` does)."""
+    (its stale entries computed in the same forward, its attention bias applied, as `generate` does)."""
     import torch
 
     from cagkv.refresh import feed
@@ -396,7 +419,7 @@ def continuation_logits(prepared: Any, ids: Sequence[int]) -> torch.Tensor:
     cache = copy.deepcopy(prepared.cache)  # generate() will mutate the original
     with torch.inference_mode():
         _, logits = feed(prepared.target.model, cache, prepared.next_position, ids,
-                         getattr(prepared, "stale", None), keep=0)
+                         getattr(prepared, "stale", None), keep=0, bias=getattr(prepared, "bias", None))
     return logits.float()  # [T, V]
 
 

@@ -6,6 +6,10 @@ appending each layer's keys/values to `cache` exactly as the model's own forward
 (same masks, same rotary embeddings per layer type). With `start=0` and the token
 embeddings as `hidden` it is the model's forward, which the tests check bit for bit.
 
+`forward_at(..., bias=AttentionBias(positions, value))` adds `value` to the attention
+logits of the cached `positions` for every fed token, in every layer and head (a
+translated chunk the question reads too little of: docs/EXPERIMENTS.md E86).
+
 `inject_kv(cache, {layer: (keys_rotated, values)})` makes the named layers store and
 attend over the given keys/values for the new tokens instead of the ones they compute
 (the `mot-window` reference inference).
@@ -20,12 +24,25 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at"]
+__all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at", "AttentionBias", "head_logits",
+           "biased_masks"]
+
+
+class AttentionBias(NamedTuple):
+    """`value` added to the attention logits of the cached tokens at `positions` (absolute)."""
+
+    positions: torch.Tensor
+    value: float
+
+    def columns(self, key_positions: torch.Tensor) -> torch.Tensor:
+        """The additive bias `[K]` for keys at `key_positions`."""
+        hit = torch.isin(key_positions, self.positions.to(key_positions.device))
+        return hit.to(torch.float32) * self.value
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -52,6 +69,36 @@ def _masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cache: An
     return out
 
 
+def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, kinds: set[str],
+                 types: list[str], bias: AttentionBias) -> dict[str, torch.Tensor]:
+    """The model's own causal masks over `cache` (before `hidden` is added to it), made
+    additive, with `bias` added to the columns of its positions; `cache` holds every
+    position from 0 on (a sliding layer may have dropped the oldest: its offset says how many)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kw = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache, "position_ids": positions,
+          "allow_is_causal_skip": False}
+    out: dict[str, torch.Tensor] = {}
+    for kind in kinds:
+        make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+        mask = make(**kw)
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(hidden.dtype).min)
+        length, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
+        keys = int(offset) + torch.arange(mask.shape[-1], device=mask.device)
+        out[kind] = mask + bias.columns(keys).to(mask.dtype)
+    return out
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's next-token logits from the residual stream after its last layer (final norm,
+    LM head, and the logit soft-capping of the models that have it)."""
+    logits = model.lm_head(decoder_of(model).norm(hidden))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def _rotary(inner: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
     rot = inner.rotary_emb
     per_type = "layer_type" in inspect.signature(rot.forward).parameters
@@ -61,16 +108,33 @@ def _rotary(inner: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, kin
     return {kind: shared for kind in kinds}
 
 
-def forward_at(model: nn.Module, ids: Any, start: int, cache: Any = None, keep: int = 1) -> Any:
+def forward_at(model: nn.Module, ids: Any, start: int, cache: Any = None, keep: int = 1,
+               bias: AttentionBias | None = None) -> Any:
     """The model's own forward of token `ids` at positions start.. into `cache` (a new one
     when None), on the model's device; `keep`: the last positions whose logits are computed
-    (0: all). Returns the model's output (`.logits [1, keep or T, V]`, `.cache`)."""
+    (0: all). Returns the model's output (`.logits [1, keep or T, V]`, `.cache`). With `bias`
+    (which needs `cache`) the same layers run with its value added to the attention logits
+    of its cached positions."""
     device = next(model.parameters()).device
     positions = (start + torch.arange(len(ids), device=device))[None]  # [1, T]
+    if bias is not None and bias.value != 0:
+        if cache is None:
+            raise ValueError("an attention bias needs a cache holding the positions it names")
+        inner = decoder_of(model)
+        types = layer_types(inner.config, len(inner.layers))
+        hidden = model.get_input_embeddings()(torch.tensor([list(ids)], dtype=torch.long, device=device))
+        masks = biased_masks(inner.config, hidden, positions, cache, set(types), types, bias)
+        hidden = run_layers(model, hidden, positions, cache, 0, masks=masks)
+        return _Output(head_logits(model, hidden if keep == 0 else hidden[:, -keep:]), cache)
     kwargs: dict[str, Any] = {"use_cache": True, "logits_to_keep": keep, "position_ids": positions}
     if cache is not None:
         kwargs["cache"] = cache
     return model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device), **kwargs)
+
+
+class _Output(NamedTuple):
+    logits: torch.Tensor
+    cache: Any
 
 
 def run_layers(

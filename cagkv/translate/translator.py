@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
 __all__ = ["Translator", "TranslateInputs", "prepare_inputs", "assemble_kv", "card_default_refresh", "card_refresh_scoring",
-           "card_peak_z"]
+           "card_peak_z", "card_attention_bias"]
 
 
 class TranslateInputs:
@@ -216,6 +216,16 @@ def card_peak_z(card: dict[str, Any]) -> float:
     return value if math.isfinite(value) and value > 0 else PEAK_Z
 
 
+def card_attention_bias(card: dict[str, Any]) -> float:
+    """The card's `attention_bias` (added to the translated tokens' attention logits at question
+    time, docs/EXPERIMENTS.md E86) if a finite number, else 0."""
+    try:
+        value = float(card.get("attention_bias", 0.0) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return value if math.isfinite(value) else 0.0
+
+
 class Translator:
     """A trained translator for one (source, target) model pair. See module doc."""
 
@@ -287,6 +297,12 @@ class Translator:
         measured choice, where it names one of `cagkv.refresh.SCORINGS` that this translator can
         run (a difficulty scoring needs its table), else `cagkv.refresh.DEFAULT_SCORING`."""
         return card_refresh_scoring(self.card, has_table=self.difficulty is not None)
+
+    @property
+    def attention_bias(self) -> float:
+        """What `translate` adds to the attention logits of the tokens left translated when none
+        is asked: the card's measured choice (0 where it names none)."""
+        return card_attention_bias(self.card)
 
     @property
     def difficulty(self) -> torch.Tensor | None:

@@ -361,6 +361,52 @@ def test_refresh_recomputes_the_asked_share_of_the_chunk_tokens_only(tmp_path, m
         cag.prepare("q?", target=models["qwen2"], mode="translate", refresh=0.5, refresh_scoring="loud")
 
 
+@pytest.mark.parametrize("target", ["qwen2", "gemma"])
+def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and_decoding(tmp_path, models, target):
+    """The bias covers every chunk token a refresh leaves translated (not the prefix, the
+    separators or the refreshed tokens); the question's forward and every decoding step read it."""
+    from cagkv.models.layers import forward_at
+    from cagkv.refresh import feed
+
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    q = "Why did ships pass safely?"
+    runs = {}
+    for bias in (None, 0.0, 3.0):  # an engine each: the noise translator's draws follow its calls
+        cag = CAG(base.store, find_translator=lambda src, tgt: NoiseTranslator())
+        runs[bias] = cag.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25, attention_bias=bias)
+    assert runs[None].bias is None and runs[0.0].bias is None  # the noise translator has no card: 0
+    prepared = runs[3.0]
+    fmt = prepared.fmt
+    blocks = [cag.store.load_blocks([s.chunk])[0] for s in prepared.sources]  # best first
+    at, chunk = len(fmt.context_prefix_ids()), set()
+    for block in reversed(blocks):  # best chunk last, each followed by the separator
+        n = len(fmt.chunk_ids(block.text))
+        chunk.update(range(at, at + n))
+        at += n + len(fmt.separator_ids())
+    refreshed = chunk & set(prepared.stale)
+    assert refreshed and set(prepared.bias.positions.tolist()) == chunk - refreshed
+    assert prepared.bias.value == 3.0
+
+    model = prepared.target.model
+    scored = _next_token_logits(cag, prepared)
+    assert not torch.allclose(scored, _next_token_logits(cag, runs[0.0]), atol=1e-3)
+    answer = cag.generate(copy.deepcopy(prepared), max_new_tokens=5)
+    with torch.inference_mode():  # greedy by hand, the bias at every step
+        cache, logits = feed(model, copy.deepcopy(prepared.cache), prepared.next_position, prepared.prompt_ids,
+                             prepared.stale, bias=prepared.bias)
+        torch.testing.assert_close(logits[-1], scored, atol=1e-4, rtol=1e-4)
+        position, tokens = prepared.next_position + len(prepared.prompt_ids), []
+        for _ in range(len(answer.token_ids)):
+            tokens.append(int(logits[-1].argmax()))
+            logits = forward_at(model, [tokens[-1]], position, cache, bias=prepared.bias).logits[0]
+            position += 1
+    assert answer.token_ids == tokens
+    with pytest.raises(UsageError, match="attention_bias acts on translated tokens"):
+        cag.prepare(q, target=models[target], mode="native", attention_bias=0.5)
+    with pytest.raises(UsageError, match="finite"):
+        cag.prepare(q, target=models[target], mode="translate", attention_bias=float("nan"))
+
+
 def test_refresh_shift_moves_the_tokens_left_translated_and_refreshes_before_the_question(tmp_path, models, monkeypatch):
     """With `refresh_shift` the chosen tokens are recomputed before the question (not in its
     forward), and the blocks' other tokens move (`cagkv.refresh.shift_translated`); the

@@ -1,0 +1,114 @@
+"""The question-time attention bias on cached positions (`cagkv.models.layers.AttentionBias`, E86)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from tiny_lms import tiny
+from transformers import DynamicCache
+
+from cagkv.models.cache import full_cache
+from cagkv.models.layers import AttentionBias, decoder_of, forward_at, head_logits, layer_types, run_layers
+from cagkv.refresh import _mask, feed, refresh_tokens
+
+BIASED = torch.tensor([2, 3, 5, 11, 17, 19])  # some of them outside Gemma-3's tiny window (8) for the fed tokens
+
+
+def _cache(model, ids: torch.Tensor, factory) -> object:
+    with torch.no_grad():
+        cache = factory()
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _reference(model, cache, n: int, ids: list[int], bias: AttentionBias) -> torch.Tensor:
+    """Logits `[T, V]` built another way: masks from absolute positions (`cagkv.refresh._mask`)
+    over a cache that keeps every token, the bias added by position."""
+    inner = decoder_of(model)
+    types = layer_types(inner.config, len(inner.layers))
+    window = getattr(inner.config, "sliding_window", None)
+    queries = n + torch.arange(len(ids))
+    keys = torch.arange(n + len(ids))
+    masks = {kind: _mask(keys, torch.zeros(len(keys), dtype=torch.bool), queries,
+                         window if kind == "sliding_attention" else None, torch.float32)
+             + bias.value * torch.isin(keys, bias.positions).float() for kind in set(types)}
+    with torch.no_grad():
+        hidden = run_layers(model, model.get_input_embeddings()(torch.tensor([ids])), queries[None],
+                            copy.deepcopy(cache), 0, masks=masks)
+        return head_logits(model, hidden)[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_the_biased_forward_matches_masks_built_from_absolute_positions(family: str) -> None:
+    # the model's own cache layout (Gemma-3: sliding layers holding the last 7 of 20 tokens),
+    # so the bias must find its columns past each layer's offset
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
+    layout = _cache(lm.model, ids[:, :20], lambda: DynamicCache(config=lm.config))
+    every = _cache(lm.model, ids[:, :20], full_cache)
+    bias = AttentionBias(BIASED, 0.7)
+    fed = ids[0, 20:].tolist()
+    with torch.no_grad():
+        got = forward_at(lm.model, fed, 20, layout, keep=0, bias=bias)
+        plain = forward_at(lm.model, fed, 20, copy.deepcopy(_cache(lm.model, ids[:, :20], full_cache)), keep=0)
+    want = _reference(lm.model, every, 20, fed, bias)
+    torch.testing.assert_close(got.logits[0], want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got.logits[0], plain.logits[0], atol=1e-3)  # the bias did something
+    assert got.cache is layout and layout.get_seq_length() == 24  # extended in place, as the model's forward
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_bias_of_log_2_reads_a_token_as_if_it_were_cached_twice(family: str) -> None:
+    """Softmax weights: exp(s + ln 2) = 2 exp(s). A cache holding each biased entry twice
+    (same key, same value; full attention) must give the same logits: the bias's meaning,
+    checked without any mask code."""
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(1))
+    cache = _cache(lm.model, ids[:, :20], full_cache)
+    order = torch.tensor([p for p in range(20) for _ in range(2 if p in BIASED.tolist() else 1)])
+    doubled = full_cache()
+    for i, layer in enumerate(cache.layers):
+        doubled.update(layer.keys[:, :, order], layer.values[:, :, order], i)
+    with torch.no_grad():
+        want = lm.model(input_ids=ids[:, 20:], cache=doubled, position_ids=torch.arange(20, 24)[None],
+                        use_cache=True).logits[0]
+        got = forward_at(lm.model, ids[0, 20:].tolist(), 20, cache, keep=0,
+                         bias=AttentionBias(BIASED, math.log(2))).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str) -> None:
+    """Stale entries recomputed in the prompt's forward are computed as `refresh_tokens`
+    computes them (no bias); the prompt's rows are biased: one forward equals the two."""
+    lm = tiny(family)
+    ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(2))
+    stale = {p: int(ids[0, p]) for p in (4, 9, 15)}
+    cache = _cache(lm.model, ids[:, :20], full_cache)
+    for layer in cache.layers:  # placeholders at the stale positions
+        layer.keys[:, :, sorted(stale)] = 0
+        layer.values[:, :, sorted(stale)] = 0
+    bias = AttentionBias(BIASED, -0.5)
+    prompt = ids[0, 20:].tolist()
+    _, got = feed(lm.model, copy.deepcopy(cache), 20, prompt, stale, keep=0, bias=bias)
+    first = copy.deepcopy(cache)
+    with torch.no_grad():
+        refresh_tokens(lm.model, first, list(stale.values()), sorted(stale))
+        want = forward_at(lm.model, prompt, 20, first, keep=0, bias=bias).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_zero_bias_is_the_models_own_forward_and_a_bias_needs_a_cache() -> None:
+    lm = tiny("qwen2")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = _cache(lm.model, ids[:, :8], full_cache)
+    with torch.no_grad():
+        got = forward_at(lm.model, ids[0, 8:].tolist(), 8, copy.deepcopy(cache), keep=0,
+                         bias=AttentionBias(BIASED, 0.0)).logits
+        want = forward_at(lm.model, ids[0, 8:].tolist(), 8, copy.deepcopy(cache), keep=0).logits
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="needs a cache"):
+        forward_at(lm.model, [5, 6], 0, None, bias=AttentionBias(BIASED, 0.5))
