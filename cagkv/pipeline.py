@@ -229,9 +229,12 @@ class CAG:
         document_ids: Sequence[Any] | None = None,
         refresh: float | None = None,
         refresh_scoring: str | None = None,
+        attention_bias: float | None = None,
     ) -> Answer:
-        """Answer `question` with `target` (default: the canonical model) from the store."""
-        prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring)
+        """Answer `question` with `target` (default: the canonical model) from the store;
+        the options are `prepare`'s."""
+        prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring,
+                                attention_bias=attention_bias)
         return self.generate(prepared, max_new_tokens)
 
     def ask_stream(
@@ -245,11 +248,13 @@ class CAG:
         document_ids: Sequence[Any] | None = None,
         refresh: float | None = None,
         refresh_scoring: str | None = None,
+        attention_bias: float | None = None,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
 
         def run() -> Generator[str, None, Answer]:
-            prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring)
+            prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring,
+                                    attention_bias=attention_bias)
             return (yield from self._decode(prepared, max_new_tokens))
 
         return AnswerStream(run())

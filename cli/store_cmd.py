@@ -137,6 +137,12 @@ def ask_cmd(
              "contrast_difficulty otherwise: E72, E77). "
              "Default: the translator card's default_refresh_scoring, else contrast.",
     ),
+    attention_bias: float | None = typer.Option(
+        None, "--attention-bias",
+        help="Added to the attention logits of the chunk tokens left translated, for the question and the "
+             "answer (translate mode; > 0: the question reads more of them; default: the translator card's "
+             "attention_bias, else 0; docs/EXPERIMENTS.md E86).",
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="Where the models run: cpu, cuda, cuda:N or auto (a GPU if there is one)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
@@ -155,7 +161,7 @@ def ask_cmd(
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype, device=device)  # the engine checks the canonical tokenizer before using stored blocks
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay,
-              "refresh": refresh, "refresh_scoring": refresh_scoring}
+              "refresh": refresh, "refresh_scoring": refresh_scoring, "attention_bias": attention_bias}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
         for piece in answer_stream:

@@ -111,7 +111,7 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
         typer.echo("no translators installed (train one: cagkv train --canonical A --target B)")
         return
     typer.echo(f"{'SOURCE':14} {'TARGET':14} {'E/k':5} {'QUALITY':>8} {'AUTO>=':>6} {'MB':>5}  "
-               f"{'REFRESH':20} {'TABLE':14} PATH")
+               f"{'REFRESH':20} {'TABLE':14} {'BIAS':>5} PATH")
     for r in rows:
         q = "-" if r["quality"] is None else f"{r['quality']:.3f}"
         mb = "-" if not r["size_bytes"] else f"{r['size_bytes'] / 1e6:.1f}"
@@ -119,7 +119,7 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
         refresh = f"{r['default_refresh']:g} {r['default_refresh_scoring']}" if r["default_refresh"] else "0"
         table = f"yes (z {r['peak_z']:g})" if r["difficulty_table"] else "-"
         typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  "
-                   f"{refresh:20} {table:14} {r['path']}")
+                   f"{refresh:20} {table:14} {r['attention_bias']:>5g} {r['path']}")
 
 
 def register(app: typer.Typer) -> None:

@@ -25,7 +25,8 @@ import torch
 from cagkv.errors import TranslatorError
 from cagkv.translate.mot import MoTConfig, MoTTranslator
 from cagkv.translate.difficulty import DIFFICULTY_FILE
-from cagkv.translate.translator import Translator, card_default_refresh, card_peak_z, card_refresh_scoring
+from cagkv.translate.translator import (Translator, card_attention_bias, card_default_refresh, card_peak_z,
+                                        card_refresh_scoring)
 
 __all__ = ["save_artifact", "load_translator", "find_translator", "list_translators", "translator_dirs"]
 
@@ -157,7 +158,8 @@ def translator_dirs() -> list[Path]:
 def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
     """One row per readable artifact: path, source/target names and fingerprints, quality, and
     what `ask` does with it when nothing is asked (its card's refresh share and scoring, and
-    whether it has a difficulty table, with the threshold of its "adaptive" switch)."""
+    whether it has a difficulty table, with the threshold of its "adaptive" switch, and its
+    attention bias on the tokens left translated)."""
     rows = []
     for base in dirs if dirs is not None else translator_dirs():
         if not base.is_dir():
@@ -186,6 +188,7 @@ def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
                     "default_refresh_scoring": card_refresh_scoring(card, has_table),
                     "difficulty_table": has_table,
                     "peak_z": card_peak_z(card) if has_table else None,
+                    "attention_bias": card_attention_bias(card),
                 }
             )
     return rows
