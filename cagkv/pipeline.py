@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
 MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
+BIAS_SCOPES = ("all", "question")  # which fed tokens an attention bias acts for
 TRANSLATED = ("translate", "mot-window")
 FUSE_FEED_ENV = "CAGKV_FUSE_FEED"  # 0: separators and refreshed tokens in forwards of their own (E62)
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
@@ -271,6 +272,7 @@ class CAG:
         refresh_scoring: str | None = None,
         refresh_shift: bool | None = None,
         attention_bias: float | None = None,
+        attention_bias_scope: str = "all",
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -279,7 +281,8 @@ class CAG:
         (docs/EXPERIMENTS.md E84), off by default.
         `attention_bias` (mode translate): added to the attention logits of every chunk token
         left translated, for the question and the answer (docs/EXPERIMENTS.md E86); None: the
-        translator card's `attention_bias` (0 where it names none).
+        translator card's `attention_bias` (0 where it names none). `attention_bias_scope`
+        "question": for the question's tokens only, not the answer's (E86c).
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -312,6 +315,8 @@ class CAG:
             raise UsageError(f"attention_bias must be a finite number, got {attention_bias}")
         if attention_bias and mode != "translate":
             raise UsageError(f"attention_bias acts on translated tokens: it needs mode translate (mode {mode} ran)")
+        if attention_bias_scope not in BIAS_SCOPES:
+            raise UsageError(f"attention_bias_scope must be one of {', '.join(BIAS_SCOPES)}, got {attention_bias_scope!r}")
         if attention_bias is None:  # the card's measured bias (docs/EXPERIMENTS.md E86)
             attention_bias = float(getattr(translator, "attention_bias", 0.0) or 0.0) if mode == "translate" else 0.0
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
@@ -381,7 +386,8 @@ class CAG:
         if attention_bias and blocks:
             left = [p for start, block in zip(starts, blocks) for p in range(start, start + block.num_tokens)
                     if p not in chosen]
-            bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias)
+            until = n + len(prompt_ids) if attention_bias_scope == "question" else None
+            bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until)
         return Prepared(
             target=target_model,
             mode=mode,

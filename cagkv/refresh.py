@@ -401,7 +401,7 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
         stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool, device=device)])
         masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
         if bias is not None and bias.value != 0 and appended:
-            masks[kind][..., len(pos):, :] += bias.columns(key_positions).to(dtype)
+            masks[kind][..., len(pos):, :] += bias.matrix(queries[len(pos):], key_positions).to(dtype)
     hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]], device=device))
     hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
     return work, spans, hidden

@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -270,33 +270,37 @@ class Variant(NamedTuple):
     refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
     refresh_shift: bool = False  # the rest of each block moved by its refreshed tokens' mean change
     attention_bias: float | None = None  # added to the translated tokens' attention logits; None: the card's
+    bias_scope: str = "all"  # "question": the bias acts for the question's tokens only (+qbiasB)
 
 
-def _flags(text: str) -> tuple[bool, float | None]:
-    """"shift" / "biasB" flags (each after a "+") -> (shift, attention bias or None)."""
-    shift, bias = False, None
+def _flags(text: str) -> tuple[bool, float | None, str]:
+    """"shift" / "biasB" / "qbiasB" flags (each after a "+") -> (shift, attention bias or None,
+    its scope: "all", or "question" for qbias)."""
+    shift, bias, scope = False, None, "all"
     for flag in text.split("+") if text else []:
         if flag == "shift":
             shift = True
-        elif flag.startswith("bias"):
+        elif flag.startswith(("bias", "qbias")):
+            name = "qbias" if flag.startswith("qbias") else "bias"
             try:
-                bias = float(flag[len("bias"):])
+                bias = float(flag[len(name):])
             except ValueError:
-                raise UsageError(f"--modes: +biasB takes a number, as in +bias0.5, got {flag!r}") from None
+                raise UsageError(f"--modes: +{name}B takes a number, as in +{name}0.5, got {flag!r}") from None
             if not math.isfinite(bias):
-                raise UsageError(f"--modes: +biasB takes a finite number, got {flag!r}")
+                raise UsageError(f"--modes: +{name}B takes a finite number, got {flag!r}")
+            scope = "question" if name == "qbias" else "all"
         else:
-            raise UsageError(f"--modes: flags after + are 'shift' and 'biasB', got {flag!r}")
-    return shift, bias
+            raise UsageError(f"--modes: flags after + are 'shift', 'biasB' and 'qbiasB', got {flag!r}")
+    return shift, bias, scope
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
     mod, _, flags = mod.partition("+")
-    shift, bias = _flags(flags)
+    shift, bias, scope = _flags(flags)
     if shift and not mod.startswith("refresh"):
         raise UsageError(f"--modes: +shift moves what a refresh leaves translated: it needs @refreshF, got {spec!r}")
     if mod == "window":
@@ -313,19 +317,19 @@ def variant_spec(spec: str) -> Variant:
             raise UsageError(f"--modes: @refresh takes a fraction in (0, 1], got {refresh}")
         if scoring and scoring not in SCORINGS:
             raise UsageError(f"--modes: @refresh{fraction}:SCORING takes one of {', '.join(SCORINGS)}, got {scoring!r}")
-        return Variant(path, 0, False, refresh, scoring or None, shift, bias)
+        return Variant(path, 0, False, refresh, scoring or None, shift, bias, scope)
     try:
         replay = int(mod)
     except ValueError:
         raise UsageError(f"--modes: after @ expected a replay count, 'window' or 'refreshF', got {mod!r}") from None
     if replay < 0:
         raise UsageError(f"--modes: replay must be >= 0, got {replay}")
-    return Variant(path, replay, False, attention_bias=bias)
+    return Variant(path, replay, False, attention_bias=bias, bias_scope=scope)
 
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""
@@ -361,7 +365,8 @@ class ModeRunner:
                                   document_ids=document_ids, refresh=0.0 if variant is None else variant.refresh,
                                   refresh_scoring=None if variant is None else variant.refresh_scoring,
                                   refresh_shift=None if variant is None else variant.refresh_shift,
-                                  attention_bias=None if variant is None else variant.attention_bias)
+                                  attention_bias=None if variant is None else variant.attention_bias,
+                                  attention_bias_scope="all" if variant is None else variant.bias_scope)
         return engine, prepared
 
 

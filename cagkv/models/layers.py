@@ -34,15 +34,20 @@ __all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at",
 
 
 class AttentionBias(NamedTuple):
-    """`value` added to the attention logits of the cached tokens at `positions` (absolute)."""
+    """`value` added to the attention logits of the cached tokens at `positions` (absolute),
+    for the queries before position `until` (None: every query)."""
 
     positions: torch.Tensor
     value: float
+    until: int | None = None
 
-    def columns(self, key_positions: torch.Tensor) -> torch.Tensor:
-        """The additive bias `[K]` for keys at `key_positions`."""
-        hit = torch.isin(key_positions, self.positions.to(key_positions.device))
-        return hit.to(torch.float32) * self.value
+    def matrix(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """The additive bias `[Q, K]` of queries at `query_positions` over keys at `key_positions`."""
+        hit = torch.isin(key_positions, self.positions.to(key_positions.device)).to(torch.float32)
+        rows = torch.ones(len(query_positions), device=key_positions.device)
+        if self.until is not None:
+            rows = (query_positions.to(key_positions.device) < self.until).to(torch.float32)
+        return rows[:, None] * hit[None, :] * self.value
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -87,7 +92,7 @@ def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cac
                 ~mask, torch.finfo(hidden.dtype).min)
         length, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
         keys = int(offset) + torch.arange(mask.shape[-1], device=mask.device)
-        out[kind] = mask + bias.columns(keys).to(mask.dtype)
+        out[kind] = mask + bias.matrix(positions[0], keys).to(mask.dtype)
     return out
 
 

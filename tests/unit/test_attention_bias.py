@@ -32,24 +32,26 @@ def _reference(model, cache, n: int, ids: list[int], bias: AttentionBias) -> tor
     window = getattr(inner.config, "sliding_window", None)
     queries = n + torch.arange(len(ids))
     keys = torch.arange(n + len(ids))
+    rows = torch.ones(len(ids)) if bias.until is None else (queries < bias.until).float()
     masks = {kind: _mask(keys, torch.zeros(len(keys), dtype=torch.bool), queries,
                          window if kind == "sliding_attention" else None, torch.float32)
-             + bias.value * torch.isin(keys, bias.positions).float() for kind in set(types)}
+             + bias.value * rows[:, None] * torch.isin(keys, bias.positions).float()[None, :] for kind in set(types)}
     with torch.no_grad():
         hidden = run_layers(model, model.get_input_embeddings()(torch.tensor([ids])), queries[None],
                             copy.deepcopy(cache), 0, masks=masks)
         return head_logits(model, hidden)[0]
 
 
+@pytest.mark.parametrize("until", [None, 22])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
-def test_the_biased_forward_matches_masks_built_from_absolute_positions(family: str) -> None:
+def test_the_biased_forward_matches_masks_built_from_absolute_positions(family: str, until: int | None) -> None:
     # the model's own cache layout (Gemma-3: sliding layers holding the last 7 of 20 tokens),
     # so the bias must find its columns past each layer's offset
     lm = tiny(family)
     ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(0))
     layout = _cache(lm.model, ids[:, :20], lambda: DynamicCache(config=lm.config))
     every = _cache(lm.model, ids[:, :20], full_cache)
-    bias = AttentionBias(BIASED, 0.7)
+    bias = AttentionBias(BIASED, 0.7, until)  # until 22: the first two fed tokens only
     fed = ids[0, 20:].tolist()
     with torch.no_grad():
         got = forward_at(lm.model, fed, 20, layout, keep=0, bias=bias)
@@ -57,6 +59,10 @@ def test_the_biased_forward_matches_masks_built_from_absolute_positions(family: 
     want = _reference(lm.model, every, 20, fed, bias)
     torch.testing.assert_close(got.logits[0], want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got.logits[0], plain.logits[0], atol=1e-3)  # the bias did something
+    if until is not None:  # the rows after `until` are not biased, but read biased rows before them
+        everywhere = _reference(lm.model, every, 20, fed, AttentionBias(BIASED, 0.7))
+        torch.testing.assert_close(got.logits[0, :2], everywhere[:2], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(got.logits[0, 2:], everywhere[2:], atol=1e-3)
     assert got.cache is layout and layout.get_seq_length() == 24  # extended in place, as the model's forward
 
 

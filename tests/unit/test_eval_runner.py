@@ -389,19 +389,20 @@ def test_named_translator_variant_runs_translate_with_that_artifact(dataset, mod
 def test_variant_spec_names_artifact_replay_window_refresh_or_a_bias():
     from cagkv.eval.runner import variant_spec
 
-    assert variant_spec("/a/b") == ("/a/b", None, False, 0.0, None, False, None)
-    assert variant_spec("/a/b@4") == ("/a/b", 4, False, 0.0, None, False, None)
-    assert variant_spec("@6") == ("", 6, False, 0.0, None, False, None)
-    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True, 0.0, None, False, None)
-    assert variant_spec("/a/b@refresh0.33") == ("/a/b", 0, False, 0.33, None, False, None)  # the card's scoring, else contrast
-    assert variant_spec("/a/b@refresh0.33:attention") == ("/a/b", 0, False, 0.33, "attention", False, None)
-    assert variant_spec("/a/b@refresh0.1:contrast") == ("/a/b", 0, False, 0.1, "contrast", False, None)
-    assert variant_spec("/a/b@refresh0.2:adaptive+shift") == ("/a/b", 0, False, 0.2, "adaptive", True, None)
-    assert variant_spec("/a/b@refresh0.2+shift") == ("/a/b", 0, False, 0.2, None, True, None)
-    assert variant_spec("/a/b@0+bias0.5") == ("/a/b", 0, False, 0.0, None, False, 0.5)
-    assert variant_spec("/a/b@refresh0.2:contrast+bias-0.25") == ("/a/b", 0, False, 0.2, "contrast", False, -0.25)
-    assert variant_spec("/a/b@refresh0.2+bias0+shift") == ("/a/b", 0, False, 0.2, None, True, 0.0)
-    for bad in ("/a@refresh0.2+loud", "/a@2+shift", "/a@window+bias0.5", "/a@0+bias", "/a@0+biasx", "/a@0+biasnan", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
+    assert variant_spec("/a/b") == ("/a/b", None, False, 0.0, None, False, None, "all")
+    assert variant_spec("/a/b@4") == ("/a/b", 4, False, 0.0, None, False, None, "all")
+    assert variant_spec("@6") == ("", 6, False, 0.0, None, False, None, "all")
+    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True, 0.0, None, False, None, "all")
+    assert variant_spec("/a/b@refresh0.33") == ("/a/b", 0, False, 0.33, None, False, None, "all")  # the card's scoring, else contrast
+    assert variant_spec("/a/b@refresh0.33:attention") == ("/a/b", 0, False, 0.33, "attention", False, None, "all")
+    assert variant_spec("/a/b@refresh0.1:contrast") == ("/a/b", 0, False, 0.1, "contrast", False, None, "all")
+    assert variant_spec("/a/b@refresh0.2:adaptive+shift") == ("/a/b", 0, False, 0.2, "adaptive", True, None, "all")
+    assert variant_spec("/a/b@refresh0.2+shift") == ("/a/b", 0, False, 0.2, None, True, None, "all")
+    assert variant_spec("/a/b@0+bias0.5") == ("/a/b", 0, False, 0.0, None, False, 0.5, "all")
+    assert variant_spec("/a/b@refresh0.2:contrast+bias-0.25") == ("/a/b", 0, False, 0.2, "contrast", False, -0.25, "all")
+    assert variant_spec("/a/b@refresh0.2+bias0+shift") == ("/a/b", 0, False, 0.2, None, True, 0.0, "all")
+    assert variant_spec("/a/b@0+qbias1.5") == ("/a/b", 0, False, 0.0, None, False, 1.5, "question")
+    for bad in ("/a@0+qbias", "/a@refresh0.2+loud", "/a@2+shift", "/a@window+bias0.5", "/a@0+bias", "/a@0+biasx", "/a@0+biasnan", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
         with pytest.raises(UsageError, match="--modes"):
             variant_spec(bad)
 

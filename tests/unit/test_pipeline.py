@@ -401,6 +401,12 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
             logits = forward_at(model, [tokens[-1]], position, cache, bias=prepared.bias).logits[0]
             position += 1
     assert answer.token_ids == tokens
+    scoped = cag.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25, attention_bias=3.0,
+                         attention_bias_scope="question")
+    assert scoped.bias.until == scoped.next_position + len(scoped.prompt_ids)  # the answer's tokens: no bias
+    assert prepared.bias.until is None
+    with pytest.raises(UsageError, match="attention_bias_scope"):
+        cag.prepare(q, target=models[target], mode="translate", attention_bias=1.0, attention_bias_scope="answer")
     with pytest.raises(UsageError, match="attention_bias acts on translated tokens"):
         cag.prepare(q, target=models[target], mode="native", attention_bias=0.5)
     with pytest.raises(UsageError, match="finite"):
