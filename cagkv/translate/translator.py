@@ -300,8 +300,9 @@ class Translator:
 
     @property
     def attention_bias(self) -> float:
-        """What `translate` adds to the attention logits of the tokens left translated when none
-        is asked: the card's measured choice (0 where it names none)."""
+        """What `translate` adds to the attention logits of the tokens a refresh leaves translated
+        when none is asked: the card's measured choice (0 where it names none; `CAG.prepare`
+        uses it only where a refresh runs)."""
         return card_attention_bias(self.card)
 
     @property

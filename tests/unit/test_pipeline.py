@@ -407,6 +407,14 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
     assert prepared.bias.until is None
     with pytest.raises(UsageError, match="attention_bias_scope"):
         cag.prepare(q, target=models[target], mode="translate", attention_bias=1.0, attention_bias_scope="answer")
+    class CardBias(NoiseTranslator):  # a card naming attention_bias: used where a refresh runs only
+        attention_bias = -0.5
+
+    card = CAG(base.store, find_translator=lambda src, tgt: CardBias())
+    refreshed = card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25)
+    assert refreshed.bias.value == -0.5 and "attention bias -0.5" in refreshed.mode_reason
+    assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0).bias is None
+    assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0, attention_bias=0.7).bias.value == 0.7
     with pytest.raises(UsageError, match="attention_bias acts on translated tokens"):
         cag.prepare(q, target=models[target], mode="native", attention_bias=0.5)
     with pytest.raises(UsageError, match="finite"):
