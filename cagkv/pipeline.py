@@ -391,7 +391,8 @@ class CAG:
             left = [p for start, block in zip(starts, blocks) for p in range(start, start + block.num_tokens)
                     if p not in chosen]
             until = n + len(prompt_ids) if attention_bias_scope == "question" else None
-            bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until)
+            if left:  # everything refreshed: nothing translated to bias, the model's own forward
+                bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until)
         return Prepared(
             target=target_model,
             mode=mode,

@@ -414,6 +414,7 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
     refreshed = card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25)
     assert refreshed.bias.value == -0.5 and "attention bias -0.5" in refreshed.mode_reason
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0).bias is None
+    assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=1.0).bias is None  # all native
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0, attention_bias=0.7).bias.value == 0.7
     with pytest.raises(UsageError, match="attention_bias acts on translated tokens"):
         cag.prepare(q, target=models[target], mode="native", attention_bias=0.5)
