@@ -82,4 +82,6 @@ def test_refresh_on_the_real_translator(cag):
     default = cag.prepare(QUESTION, target=target, mode="translate")
     off = cag.prepare(QUESTION, target=target, mode="translate", refresh=0)
     assert "default_refresh" in default.mode_reason and default.timings_ms["replay"] > 0
+    # and its attention_bias (-0.5, E87) on the tokens the refresh leaves translated; none at r = 0
+    assert "attention bias -0.5" in default.mode_reason and default.bias is not None and off.bias is None
     assert off.timings_ms["replay"] == 0 and answer_logprob(default, answer) != answer_logprob(off, answer)
