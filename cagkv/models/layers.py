@@ -6,9 +6,9 @@ appending each layer's keys/values to `cache` exactly as the model's own forward
 (same masks, same rotary embeddings per layer type). With `start=0` and the token
 embeddings as `hidden` it is the model's forward, which the tests check bit for bit.
 
-`forward_at(..., bias=AttentionBias(positions, value))` adds `value` to the attention
-logits of the cached `positions` for every fed token, in every layer and head (a
-translated chunk the question reads too little of: docs/EXPERIMENTS.md E86).
+`forward_at(..., bias=AttentionBias(positions, value, until))` adds `value` to the attention
+logits of the cached `positions` for the fed tokens before `until`, in every layer and head (a
+chunk's tokens left translated: docs/EXPERIMENTS.md E86, E87).
 
 `inject_kv(cache, {layer: (keys_rotated, values)})` makes the named layers store and
 attend over the given keys/values for the new tokens instead of the ones they compute
@@ -90,7 +90,7 @@ def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cac
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(hidden.dtype).min)
-        length, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
+        _, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
         keys = int(offset) + torch.arange(mask.shape[-1], device=mask.device)
         out[kind] = mask + bias.matrix(positions[0], keys).to(mask.dtype)
     return out
