@@ -2,7 +2,9 @@
 
 Both modes are scored on the same questions, so the difference has a much tighter
 interval than the two recoveries' separate intervals suggest. Prints one line per
-metric: the difference in recovery points with its paired bootstrap 95 % interval.
+metric: the difference in recovery points with its paired bootstrap 95 % interval, and one
+for the agreement with native's answers (token F1 of the greedy answer against native's,
+the report's agreement table; E86: answer log-prob alone rewards a copy bias).
 `--rows START:STOP` keeps the questions at those places of the results' order (the seeded
 draw's), e.g. `300:600` for the questions a run of 600 added to a run of 300.
 
@@ -17,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cagkv.eval.metrics import recovery_difference
+from cagkv.eval.metrics import bootstrap_mean, recovery_difference, token_f1
 from cagkv.eval.report import QUALITY_METRICS
 
 
@@ -46,6 +48,12 @@ def compare(report: dict, a: str, b: str, n_boot: int = 2000, seed: int = 0,
         cols = [[by_key[(i, m)].get(metric) for i in ids] for m in (a, b, "none", "native")]
         d = recovery_difference(*cols, n_boot=n_boot, seed=seed)
         out[metric] = [d.value, d.lo, d.hi]
+    agree = [token_f1(by_key[(i, a)]["prediction"], [by_key[(i, "native")]["prediction"]])
+             - token_f1(by_key[(i, b)]["prediction"], [by_key[(i, "native")]["prediction"]])
+             for i in ids if all("prediction" in by_key[(i, m)] for m in (a, b, "native"))]
+    if agree:
+        d = bootstrap_mean(agree, n_boot=n_boot, seed=seed)
+        out["f1_vs_native"] = [d.value, d.lo, d.hi]
     out["n"] = [float(len(ids))] * 3
     return out
 
@@ -63,6 +71,9 @@ def main() -> None:
     for metric in QUALITY_METRICS:
         value, lo, hi = diff[metric]
         print(f"  {metric:15} {100 * value:+6.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    if "f1_vs_native" in diff:
+        value, lo, hi = diff["f1_vs_native"]
+        print(f"  {'f1_vs_native':15} {value:+.3f} [{lo:+.3f}, {hi:+.3f}] (token F1 against native's answer, A - B)")
 
 
 if __name__ == "__main__":

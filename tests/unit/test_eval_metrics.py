@@ -349,6 +349,13 @@ def test_compare_modes_pairs_two_modes_over_a_range_of_the_questions() -> None:
     assert first["answer_logprob"][0] == pytest.approx(0.5) and second["answer_logprob"][0] == pytest.approx(-0.5)
     assert first["n"][0] == second["n"][0] == 20
     assert compare(report, "a", "b", n_boot=200)["n"][0] == 40
+    assert "f1_vs_native" not in first  # no greedy answers in these rows
+    answers = {"native": "the red fox", "a": "the red fox", "b": "a blue whale", "none": "no"}
+    for r in examples:
+        r["prediction"] = answers[r["mode"]] if int(r["id"][1:]) < 20 else "the red fox"
+    agree = compare(report, "a", "b", n_boot=200, rows=parse_rows(":20"))["f1_vs_native"]
+    assert agree[0] == pytest.approx(1.0) and agree[1] == pytest.approx(1.0)  # a says native's answer, b shares no token
+    assert compare(report, "a", "b", n_boot=200, rows=parse_rows("20:"))["f1_vs_native"][0] == 0.0
     assert parse_rows("300:600") == slice(300, 600) and parse_rows(":") == slice(None, None)
     for bad in ("300", "a:b"):
         with pytest.raises(SystemExit, match="--rows"):
