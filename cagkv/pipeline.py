@@ -280,9 +280,10 @@ class CAG:
         refreshed tokens' mean change (`CAG.refresh`); an experiment that lost 6.7 points
         (docs/EXPERIMENTS.md E84), off by default.
         `attention_bias` (mode translate): added to the attention logits of every chunk token
-        left translated, for the question and the answer (docs/EXPERIMENTS.md E86, E87); None:
+        left translated, for the question and the answer (docs/EXPERIMENTS.md E86-E88); None:
         the translator card's `attention_bias` where a refresh runs (what it was measured
-        for: the tokens left translated against the refreshed ones), else 0. `attention_bias_scope`
+        for: the tokens left translated against the refreshed ones), its `attention_bias_r0`
+        for pure translation (no refresh, no replay), else 0. `attention_bias_scope`
         "question": for the question's tokens only, not the answer's (E86c).
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
@@ -318,11 +319,12 @@ class CAG:
             raise UsageError(f"attention_bias acts on translated tokens: it needs mode translate (mode {mode} ran)")
         if attention_bias_scope not in BIAS_SCOPES:
             raise UsageError(f"attention_bias_scope must be one of {', '.join(BIAS_SCOPES)}, got {attention_bias_scope!r}")
-        if attention_bias is None:  # the card's, for the tokens a refresh leaves translated (docs/EXPERIMENTS.md E87)
-            attention_bias = float(getattr(translator, "attention_bias", 0.0) or 0.0) if mode == "translate" and refresh else 0.0
+        if attention_bias is None:  # the card's, measured apart with and without a refresh (E87, E88)
+            field = "attention_bias" if refresh else "attention_bias_r0" if not replay else None
+            attention_bias = float(getattr(translator, field, 0.0) or 0.0) if mode == "translate" and field else 0.0
             if attention_bias:
                 reason = "; ".join(r for r in (reason, f"attention bias {attention_bias:g} on the tokens left translated "
-                                                        "(the translator card's attention_bias)") if r)
+                                                        f"(the translator card's {field})") if r)
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:

@@ -141,8 +141,8 @@ def ask_cmd(
         None, "--attention-bias",
         help="Added to the attention logits of the chunk tokens left translated, for the question and the "
              "answer (translate mode; < 0: lean on the refreshed tokens, > 0: read more of the translated "
-             "ones; default: the translator card's attention_bias where a refresh runs, else 0; "
-             "docs/EXPERIMENTS.md E86, E87).",
+             "ones; default: the translator card's attention_bias where a refresh runs, its attention_bias_r0 "
+             "with neither refresh nor replay, else 0; docs/EXPERIMENTS.md E86-E88).",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="Where the models run: cpu, cuda, cuda:N or auto (a GPU if there is one)."),

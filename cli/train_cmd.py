@@ -96,7 +96,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
     """List installed translators ($CAGKV_HOME/translators and shipped ones), with what `ask`
     does by default with each: REFRESH, the share of chunk tokens the target recomputes and how
     they are ranked; TABLE, whether a difficulty table ships (needed by the difficulty, contrast_difficulty,
-    union and adaptive scorings) and the peakedness at which adaptive switches to contrast.
+    union and adaptive scorings) and the peakedness at which adaptive switches to contrast;
+    BIAS, the attention bias on the tokens left translated where a refresh runs / at r = 0.
 
     Example: cagkv translators list
     """
@@ -118,8 +119,9 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
         ek = f"{r['experts']}/{r['top_k']}"
         refresh = f"{r['default_refresh']:g} {r['default_refresh_scoring']}" if r["default_refresh"] else "0"
         table = f"yes (z {r['peak_z']:g})" if r["difficulty_table"] else "-"
+        bias = f"{r['attention_bias']:g}/{r['attention_bias_r0']:g}"
         typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  "
-                   f"{refresh:20} {table:14} {r['attention_bias']:>5g} {r['path']}")
+                   f"{refresh:20} {table:14} {bias:11} {r['path']}")
 
 
 def register(app: typer.Typer) -> None:

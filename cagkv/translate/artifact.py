@@ -189,6 +189,7 @@ def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
                     "difficulty_table": has_table,
                     "peak_z": card_peak_z(card) if has_table else None,
                     "attention_bias": card_attention_bias(card),
+                    "attention_bias_r0": card_attention_bias(card, "attention_bias_r0"),
                 }
             )
     return rows

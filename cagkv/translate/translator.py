@@ -216,11 +216,12 @@ def card_peak_z(card: dict[str, Any]) -> float:
     return value if math.isfinite(value) and value > 0 else PEAK_Z
 
 
-def card_attention_bias(card: dict[str, Any]) -> float:
+def card_attention_bias(card: dict[str, Any], key: str = "attention_bias") -> float:
     """The card's `attention_bias` (added to the translated tokens' attention logits at question
-    time, docs/EXPERIMENTS.md E86) if a finite number, else 0."""
+    time where a refresh runs, docs/EXPERIMENTS.md E86-E87), or with `key="attention_bias_r0"`
+    the one for pure translation (no refresh, no replay; E88), if a finite number, else 0."""
     try:
-        value = float(card.get("attention_bias", 0.0) or 0.0)
+        value = float(card.get(key, 0.0) or 0.0)
     except (TypeError, ValueError):
         return 0.0
     return value if math.isfinite(value) else 0.0
@@ -304,6 +305,12 @@ class Translator:
         when none is asked: the card's measured choice (0 where it names none; `CAG.prepare`
         uses it only where a refresh runs)."""
         return card_attention_bias(self.card)
+
+    @property
+    def attention_bias_r0(self) -> float:
+        """Likewise for pure translation (no refresh, no replay: every chunk token translated),
+        measured apart from the refresh one (docs/EXPERIMENTS.md E88); 0 where the card names none."""
+        return card_attention_bias(self.card, "attention_bias_r0")
 
     @property
     def difficulty(self) -> torch.Tensor | None:

@@ -82,6 +82,8 @@ def test_refresh_on_the_real_translator(cag):
     default = cag.prepare(QUESTION, target=target, mode="translate")
     off = cag.prepare(QUESTION, target=target, mode="translate", refresh=0)
     assert "default_refresh" in default.mode_reason and default.timings_ms["replay"] > 0
-    # and its attention_bias (-0.5, E87) on the tokens the refresh leaves translated; none at r = 0
-    assert "attention bias -0.5" in default.mode_reason and default.bias is not None and off.bias is None
+    # and its attention_bias (-0.5, E87) on the tokens the refresh leaves translated; at r = 0 its
+    # attention_bias_r0 (-0.25, E88) on every chunk token
+    assert "attention bias -0.5" in default.mode_reason and default.bias is not None
+    assert off.bias.value == -0.25 and "attention_bias_r0" in off.mode_reason
     assert off.timings_ms["replay"] == 0 and answer_logprob(default, answer) != answer_logprob(off, answer)

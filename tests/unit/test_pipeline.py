@@ -414,6 +414,15 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
     refreshed = card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25)
     assert refreshed.bias.value == -0.5 and "attention bias -0.5" in refreshed.mode_reason
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0).bias is None
+
+    class CardBiasR0(CardBias):  # and attention_bias_r0: pure translation only (no refresh, no replay)
+        attention_bias_r0 = -0.25
+
+    both = CAG(base.store, find_translator=lambda src, tgt: CardBiasR0())
+    pure = both.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0)
+    assert pure.bias.value == -0.25 and "card's attention_bias_r0" in pure.mode_reason
+    assert set(pure.bias.positions.tolist()) == chunk  # every chunk token: none refreshed
+    assert both.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25).bias.value == -0.5
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=1.0).bias is None  # all native
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0, attention_bias=0.7).bias.value == 0.7
     with pytest.raises(UsageError, match="attention_bias acts on translated tokens"):
