@@ -62,7 +62,20 @@ if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
 MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
-BIAS_SCOPES = ("all", "question")  # which fed tokens an attention bias acts for
+BIAS_SCOPES = ("all", "question", "answerK")  # which fed tokens an attention bias acts for
+
+
+def bias_answer_tokens(scope: str) -> int | None:
+    """How many answer tokens an attention bias of this scope acts for besides the question's:
+    None for "all" (every one), 0 for "question", K for "answerK" (the first K)."""
+    if scope == "all":
+        return None
+    if scope == "question":
+        return 0
+    if scope.startswith("answer") and scope[len("answer"):].isdigit():
+        return int(scope[len("answer"):])
+    raise UsageError(f"attention_bias_scope must be all, question or answerK (K >= 0 answer tokens, "
+                     f"as in answer4), got {scope!r}")
 TRANSLATED = ("translate", "mot-window")
 FUSE_FEED_ENV = "CAGKV_FUSE_FEED"  # 0: separators and refreshed tokens in forwards of their own (E62)
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
@@ -284,7 +297,8 @@ class CAG:
         the translator card's `attention_bias` where a refresh runs (what it was measured
         for: the tokens left translated against the refreshed ones), its `attention_bias_r0`
         for pure translation (no refresh, no replay), else 0. `attention_bias_scope`
-        "question": for the question's tokens only, not the answer's (E86c).
+        "question": for the question's tokens only, not the answer's (E86c); "answerK": for the
+        question's and the first K answer tokens' (E88e).
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -317,8 +331,7 @@ class CAG:
             raise UsageError(f"attention_bias must be a finite number, got {attention_bias}")
         if attention_bias and mode != "translate":
             raise UsageError(f"attention_bias acts on translated tokens: it needs mode translate (mode {mode} ran)")
-        if attention_bias_scope not in BIAS_SCOPES:
-            raise UsageError(f"attention_bias_scope must be one of {', '.join(BIAS_SCOPES)}, got {attention_bias_scope!r}")
+        answer_tokens = bias_answer_tokens(attention_bias_scope)
         if attention_bias is None:  # the card's, measured apart with and without a refresh (E87, E88)
             field = "attention_bias" if refresh else "attention_bias_r0" if not replay else None
             attention_bias = float(getattr(translator, field, 0.0) or 0.0) if mode == "translate" and field else 0.0
@@ -392,7 +405,7 @@ class CAG:
         if attention_bias and blocks:
             left = [p for start, block in zip(starts, blocks) for p in range(start, start + block.num_tokens)
                     if p not in chosen]
-            until = n + len(prompt_ids) if attention_bias_scope == "question" else None
+            until = None if answer_tokens is None else n + len(prompt_ids) + answer_tokens
             if left:  # everything refreshed: nothing translated to bias, the model's own forward
                 bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until)
         return Prepared(

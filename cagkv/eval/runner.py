@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -270,16 +270,21 @@ class Variant(NamedTuple):
     refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
     refresh_shift: bool = False  # the rest of each block moved by its refreshed tokens' mean change
     attention_bias: float | None = None  # added to the translated tokens' attention logits; None: the card's
-    bias_scope: str = "all"  # "question": the bias acts for the question's tokens only (+qbiasB)
+    bias_scope: str = "all"  # "question": the question's tokens only (+qbiasB); "answerK": and K answer tokens'
 
 
 def _flags(text: str) -> tuple[bool, float | None, str]:
-    """"shift" / "biasB" / "qbiasB" flags (each after a "+") -> (shift, attention bias or None,
-    its scope: "all", or "question" for qbias)."""
-    shift, bias, scope = False, None, "all"
+    """"shift" / "biasB" / "qbiasB" / "answerK" flags (each after a "+") -> (shift, attention bias
+    or None, its scope: "all", "question" for qbias, "answerK" for the question's and the first K
+    answer tokens')."""
+    shift, bias, scope, answer = False, None, "all", None
     for flag in text.split("+") if text else []:
         if flag == "shift":
             shift = True
+        elif flag.startswith("answer"):
+            if not flag[len("answer"):].isdigit():
+                raise UsageError(f"--modes: +answerK takes a count of answer tokens, as in +answer4, got {flag!r}")
+            answer = flag
         elif flag.startswith(("bias", "qbias")):
             name = "qbias" if flag.startswith("qbias") else "bias"
             try:
@@ -290,12 +295,16 @@ def _flags(text: str) -> tuple[bool, float | None, str]:
                 raise UsageError(f"--modes: +{name}B takes a finite number, got {flag!r}")
             scope = "question" if name == "qbias" else "all"
         else:
-            raise UsageError(f"--modes: flags after + are 'shift', 'biasB' and 'qbiasB', got {flag!r}")
+            raise UsageError(f"--modes: flags after + are 'shift', 'biasB', 'qbiasB' and 'answerK', got {flag!r}")
+    if answer is not None:
+        if scope == "question":
+            raise UsageError("--modes: +qbiasB is the question only; +answerK goes with +biasB")
+        scope = answer
     return shift, bias, scope
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
@@ -329,7 +338,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB|+qbiasB]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""

@@ -404,9 +404,14 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
     scoped = cag.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25, attention_bias=3.0,
                          attention_bias_scope="question")
     assert scoped.bias.until == scoped.next_position + len(scoped.prompt_ids)  # the answer's tokens: no bias
+    first3 = cag.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25, attention_bias=3.0,
+                         attention_bias_scope="answer3")
+    assert first3.bias.until == first3.next_position + len(first3.prompt_ids) + 3  # and the first 3 answer tokens
     assert prepared.bias.until is None
     with pytest.raises(UsageError, match="attention_bias_scope"):
         cag.prepare(q, target=models[target], mode="translate", attention_bias=1.0, attention_bias_scope="answer")
+    with pytest.raises(UsageError, match="answerK"):
+        cag.prepare(q, target=models[target], mode="translate", attention_bias=1.0, attention_bias_scope="answer-2")
     class CardBias(NoiseTranslator):  # a card naming attention_bias: used where a refresh runs only
         attention_bias = -0.5
 
