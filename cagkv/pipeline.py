@@ -285,7 +285,7 @@ class CAG:
         refresh_scoring: str | None = None,
         refresh_shift: bool | None = None,
         attention_bias: float | None = None,
-        attention_bias_scope: str = "all",
+        attention_bias_scope: str | None = None,
     ) -> Prepared:
         """retrieve -> load -> translate -> assemble: the cache before the question suffix.
 
@@ -298,7 +298,8 @@ class CAG:
         for: the tokens left translated against the refreshed ones), its `attention_bias_r0`
         for pure translation (no refresh, no replay), else 0. `attention_bias_scope`
         "question": for the question's tokens only, not the answer's (E86c); "answerK": for the
-        question's and the first K answer tokens' (E88e).
+        question's and the first K answer tokens' (E88e); "all" (every one); None: the card's
+        scope for its own bias (`attention_bias_r0_scope` ...), else "all".
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -331,13 +332,18 @@ class CAG:
             raise UsageError(f"attention_bias must be a finite number, got {attention_bias}")
         if attention_bias and mode != "translate":
             raise UsageError(f"attention_bias acts on translated tokens: it needs mode translate (mode {mode} ran)")
-        answer_tokens = bias_answer_tokens(attention_bias_scope)
+        if attention_bias_scope is not None:
+            bias_answer_tokens(attention_bias_scope)  # refused before any work
         if attention_bias is None:  # the card's, measured apart with and without a refresh (E87, E88)
             field = "attention_bias" if refresh else "attention_bias_r0" if not replay else None
             attention_bias = float(getattr(translator, field, 0.0) or 0.0) if mode == "translate" and field else 0.0
             if attention_bias:
+                if attention_bias_scope is None:
+                    attention_bias_scope = getattr(translator, f"{field}_scope", "all")
+                scope = "" if attention_bias_scope == "all" else f", scope {attention_bias_scope}"
                 reason = "; ".join(r for r in (reason, f"attention bias {attention_bias:g} on the tokens left translated "
-                                                        f"(the translator card's {field})") if r)
+                                                        f"(the translator card's {field}{scope})") if r)
+        answer_tokens = bias_answer_tokens(attention_bias_scope or "all")
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:

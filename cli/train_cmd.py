@@ -97,7 +97,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
     does by default with each: REFRESH, the share of chunk tokens the target recomputes and how
     they are ranked; TABLE, whether a difficulty table ships (needed by the difficulty, contrast_difficulty,
     union and adaptive scorings) and the peakedness at which adaptive switches to contrast;
-    BIAS, the attention bias on the tokens left translated where a refresh runs / at r = 0.
+    BIAS, the attention bias on the tokens left translated where a refresh runs / at r = 0
+    (":answerK": for the question and the first K answer tokens only).
 
     Example: cagkv translators list
     """
@@ -119,7 +120,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
         ek = f"{r['experts']}/{r['top_k']}"
         refresh = f"{r['default_refresh']:g} {r['default_refresh_scoring']}" if r["default_refresh"] else "0"
         table = f"yes (z {r['peak_z']:g})" if r["difficulty_table"] else "-"
-        bias = f"{r['attention_bias']:g}/{r['attention_bias_r0']:g}"
+        bias = "/".join(f"{r[k]:g}" + ("" if r[f"{k}_scope"] == "all" else f":{r[k + '_scope']}")
+                        for k in ("attention_bias", "attention_bias_r0"))
         typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  "
                    f"{refresh:20} {table:14} {bias:11} {r['path']}")
 

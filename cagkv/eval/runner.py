@@ -270,14 +270,14 @@ class Variant(NamedTuple):
     refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
     refresh_shift: bool = False  # the rest of each block moved by its refreshed tokens' mean change
     attention_bias: float | None = None  # added to the translated tokens' attention logits; None: the card's
-    bias_scope: str = "all"  # "question": the question's tokens only (+qbiasB); "answerK": and K answer tokens'
+    bias_scope: str | None = None  # None: all, or the card's scope for its own bias; "question": +qbiasB; "answerK"
 
 
 def _flags(text: str) -> tuple[bool, float | None, str]:
     """"shift" / "biasB" / "qbiasB" / "answerK" flags (each after a "+") -> (shift, attention bias
-    or None, its scope: "all", "question" for qbias, "answerK" for the question's and the first K
-    answer tokens')."""
-    shift, bias, scope, answer = False, None, "all", None
+    or None, its scope: None (every token, or the card's scope for the card's bias), "question" for
+    qbias, "answerK" for the question's and the first K answer tokens')."""
+    shift, bias, scope, answer = False, None, None, None
     for flag in text.split("+") if text else []:
         if flag == "shift":
             shift = True
@@ -293,7 +293,7 @@ def _flags(text: str) -> tuple[bool, float | None, str]:
                 raise UsageError(f"--modes: +{name}B takes a number, as in +{name}0.5, got {flag!r}") from None
             if not math.isfinite(bias):
                 raise UsageError(f"--modes: +{name}B takes a finite number, got {flag!r}")
-            scope = "question" if name == "qbias" else "all"
+            scope = "question" if name == "qbias" else None
         else:
             raise UsageError(f"--modes: flags after + are 'shift', 'biasB', 'qbiasB' and 'answerK', got {flag!r}")
     if answer is not None:
@@ -375,7 +375,7 @@ class ModeRunner:
                                   refresh_scoring=None if variant is None else variant.refresh_scoring,
                                   refresh_shift=None if variant is None else variant.refresh_shift,
                                   attention_bias=None if variant is None else variant.attention_bias,
-                                  attention_bias_scope="all" if variant is None else variant.bias_scope)
+                                  attention_bias_scope=None if variant is None else variant.bias_scope)
         return engine, prepared
 
 

@@ -25,7 +25,7 @@ import torch
 from cagkv.errors import TranslatorError
 from cagkv.translate.mot import MoTConfig, MoTTranslator
 from cagkv.translate.difficulty import DIFFICULTY_FILE
-from cagkv.translate.translator import (Translator, card_attention_bias, card_default_refresh, card_peak_z,
+from cagkv.translate.translator import (Translator, card_attention_bias, card_bias_scope, card_default_refresh, card_peak_z,
                                         card_refresh_scoring)
 
 __all__ = ["save_artifact", "load_translator", "find_translator", "list_translators", "translator_dirs"]
@@ -190,6 +190,8 @@ def list_translators(dirs: list[Path] | None = None) -> list[dict[str, Any]]:
                     "peak_z": card_peak_z(card) if has_table else None,
                     "attention_bias": card_attention_bias(card),
                     "attention_bias_r0": card_attention_bias(card, "attention_bias_r0"),
+                    "attention_bias_scope": card_bias_scope(card, "attention_bias"),
+                    "attention_bias_r0_scope": card_bias_scope(card, "attention_bias_r0"),
                 }
             )
     return rows

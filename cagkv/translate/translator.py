@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
 __all__ = ["Translator", "TranslateInputs", "prepare_inputs", "assemble_kv", "card_default_refresh", "card_refresh_scoring",
-           "card_peak_z", "card_attention_bias"]
+           "card_peak_z", "card_attention_bias", "card_bias_scope"]
 
 
 class TranslateInputs:
@@ -227,6 +227,20 @@ def card_attention_bias(card: dict[str, Any], key: str = "attention_bias") -> fl
     return value if math.isfinite(value) else 0.0
 
 
+def card_bias_scope(card: dict[str, Any], key: str) -> str:
+    """The card's scope for its bias `key` (`key + "_scope"`: "all", "question" or "answerK",
+    docs/EXPERIMENTS.md E88e) where it names a valid one, else "all"."""
+    from cagkv.errors import UsageError
+    from cagkv.pipeline import bias_answer_tokens
+
+    value = card.get(f"{key}_scope", "all")
+    try:
+        bias_answer_tokens(value if isinstance(value, str) else "")
+    except UsageError:
+        return "all"
+    return value
+
+
 class Translator:
     """A trained translator for one (source, target) model pair. See module doc."""
 
@@ -311,6 +325,17 @@ class Translator:
         """Likewise for pure translation (no refresh, no replay: every chunk token translated),
         measured apart from the refresh one (docs/EXPERIMENTS.md E88); 0 where the card names none."""
         return card_attention_bias(self.card, "attention_bias_r0")
+
+    @property
+    def attention_bias_scope(self) -> str:
+        """Which fed tokens the card's `attention_bias` acts for ("all" where it names none)."""
+        return card_bias_scope(self.card, "attention_bias")
+
+    @property
+    def attention_bias_r0_scope(self) -> str:
+        """Which fed tokens the card's `attention_bias_r0` acts for ("all" where it names none;
+        "answer4": the question's and the first 4 answer tokens', E88e)."""
+        return card_bias_scope(self.card, "attention_bias_r0")
 
     @property
     def difficulty(self) -> torch.Tensor | None:

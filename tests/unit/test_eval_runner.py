@@ -389,18 +389,18 @@ def test_named_translator_variant_runs_translate_with_that_artifact(dataset, mod
 def test_variant_spec_names_artifact_replay_window_refresh_or_a_bias():
     from cagkv.eval.runner import variant_spec
 
-    assert variant_spec("/a/b") == ("/a/b", None, False, 0.0, None, False, None, "all")
-    assert variant_spec("/a/b@4") == ("/a/b", 4, False, 0.0, None, False, None, "all")
-    assert variant_spec("@6") == ("", 6, False, 0.0, None, False, None, "all")
-    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True, 0.0, None, False, None, "all")
-    assert variant_spec("/a/b@refresh0.33") == ("/a/b", 0, False, 0.33, None, False, None, "all")  # the card's scoring, else contrast
-    assert variant_spec("/a/b@refresh0.33:attention") == ("/a/b", 0, False, 0.33, "attention", False, None, "all")
-    assert variant_spec("/a/b@refresh0.1:contrast") == ("/a/b", 0, False, 0.1, "contrast", False, None, "all")
-    assert variant_spec("/a/b@refresh0.2:adaptive+shift") == ("/a/b", 0, False, 0.2, "adaptive", True, None, "all")
-    assert variant_spec("/a/b@refresh0.2+shift") == ("/a/b", 0, False, 0.2, None, True, None, "all")
-    assert variant_spec("/a/b@0+bias0.5") == ("/a/b", 0, False, 0.0, None, False, 0.5, "all")
-    assert variant_spec("/a/b@refresh0.2:contrast+bias-0.25") == ("/a/b", 0, False, 0.2, "contrast", False, -0.25, "all")
-    assert variant_spec("/a/b@refresh0.2+bias0+shift") == ("/a/b", 0, False, 0.2, None, True, 0.0, "all")
+    assert variant_spec("/a/b") == ("/a/b", None, False, 0.0, None, False, None, None)
+    assert variant_spec("/a/b@4") == ("/a/b", 4, False, 0.0, None, False, None, None)
+    assert variant_spec("@6") == ("", 6, False, 0.0, None, False, None, None)
+    assert variant_spec("/a@b/c@window") == ("/a@b/c", None, True, 0.0, None, False, None, None)
+    assert variant_spec("/a/b@refresh0.33") == ("/a/b", 0, False, 0.33, None, False, None, None)  # the card's scoring, else contrast
+    assert variant_spec("/a/b@refresh0.33:attention") == ("/a/b", 0, False, 0.33, "attention", False, None, None)
+    assert variant_spec("/a/b@refresh0.1:contrast") == ("/a/b", 0, False, 0.1, "contrast", False, None, None)
+    assert variant_spec("/a/b@refresh0.2:adaptive+shift") == ("/a/b", 0, False, 0.2, "adaptive", True, None, None)
+    assert variant_spec("/a/b@refresh0.2+shift") == ("/a/b", 0, False, 0.2, None, True, None, None)
+    assert variant_spec("/a/b@0+bias0.5") == ("/a/b", 0, False, 0.0, None, False, 0.5, None)
+    assert variant_spec("/a/b@refresh0.2:contrast+bias-0.25") == ("/a/b", 0, False, 0.2, "contrast", False, -0.25, None)
+    assert variant_spec("/a/b@refresh0.2+bias0+shift") == ("/a/b", 0, False, 0.2, None, True, 0.0, None)
     assert variant_spec("/a/b@0+qbias1.5") == ("/a/b", 0, False, 0.0, None, False, 1.5, "question")
     assert variant_spec("/a/b@0+bias-0.25+answer4") == ("/a/b", 0, False, 0.0, None, False, -0.25, "answer4")
     assert variant_spec("/a/b@0+answer0").bias_scope == "answer0"  # the card's bias, scoped

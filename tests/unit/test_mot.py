@@ -208,7 +208,7 @@ def test_listing_shows_the_cards_defaults_as_the_translator_reads_them(tmp_path:
     card = {"source": {"name": "src", "fingerprint": src.fingerprint},
             "target": {"name": "tgt", "fingerprint": tgt.fingerprint},
             "default_refresh": 0.33, "default_refresh_scoring": "adaptive", "difficulty": {"peak_z": 20.0},
-            "attention_bias": 1.5, "attention_bias_r0": "-0.25"}
+            "attention_bias": 1.5, "attention_bias_r0": "-0.25", "attention_bias_r0_scope": "answer4"}
     folder = save_artifact(tmp_path / "translators" / "src__tgt", _translator(src, tgt).model, card)
     monkeypatch.setenv("CAGKV_HOME", str(tmp_path))
 
@@ -223,6 +223,7 @@ def test_listing_shows_the_cards_defaults_as_the_translator_reads_them(tmp_path:
     assert not listed["difficulty_table"] and listed["peak_z"] is None
     assert listed["attention_bias"] == loaded.attention_bias == 1.5
     assert listed["attention_bias_r0"] == loaded.attention_bias_r0 == -0.25
+    assert listed["attention_bias_r0_scope"] == loaded.attention_bias_r0_scope == "answer4"
     save_difficulty({"difficulty": torch.ones(tgt.config.vocab_size), "count": torch.zeros(tgt.config.vocab_size)}, folder)
     loaded, listed = row()
     assert listed["default_refresh_scoring"] == loaded.default_refresh_scoring == "adaptive"
@@ -230,7 +231,7 @@ def test_listing_shows_the_cards_defaults_as_the_translator_reads_them(tmp_path:
     out = CliRunner().invoke(app, ["translators", "list"])
     assert out.exit_code == 0, out.output
     line = next(l for l in out.output.splitlines() if str(folder) in l)
-    assert "0.33 adaptive" in line and "yes (z 20)" in line and " 1.5/-0.25 " in line
+    assert "0.33 adaptive" in line and "yes (z 20)" in line and " 1.5/-0.25:answer4 " in line
 
 
 def test_default_refresh_reads_the_card_and_ignores_what_is_not_a_share() -> None:
@@ -248,6 +249,9 @@ def test_attention_bias_reads_the_card_and_ignores_what_is_not_a_finite_number()
         assert tr.attention_bias_r0 == 0.0  # read apart: the refresh one never stands in for it
         tr.card = {} if value is None else {"attention_bias_r0": value}
         assert tr.attention_bias_r0 == pytest.approx(want) and tr.attention_bias == 0.0, value
+    for scope, want in ((None, "all"), ("answer4", "answer4"), ("question", "question"), ("answer-1", "all"), (3, "all")):
+        tr.card = {} if scope is None else {"attention_bias_r0_scope": scope}
+        assert tr.attention_bias_r0_scope == want and tr.attention_bias_scope == "all", scope
 
 
 def test_malformed_card_refused(tmp_path: Path) -> None:

@@ -428,6 +428,17 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
     assert pure.bias.value == -0.25 and "card's attention_bias_r0" in pure.mode_reason
     assert set(pure.bias.positions.tolist()) == chunk  # every chunk token: none refreshed
     assert both.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25).bias.value == -0.5
+    assert pure.bias.until is None  # the card names no scope: every fed token
+
+    class CardScoped(CardBiasR0):  # and a scope for it: the question's and the first 2 answer tokens'
+        attention_bias_r0_scope = "answer2"
+
+    scoped_card = CAG(base.store, find_translator=lambda src, tgt: CardScoped())
+    first2 = scoped_card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0)
+    assert first2.bias.until == first2.next_position + len(first2.prompt_ids) + 2 and "scope answer2" in first2.mode_reason
+    assert scoped_card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0,
+                               attention_bias_scope="all").bias.until is None  # asked for: the caller's scope
+    assert scoped_card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0.25).bias.until is None
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=1.0).bias is None  # all native
     assert card.prepare(q, target=models[target], mode="translate", top_k=3, refresh=0, attention_bias=0.7).bias.value == 0.7
     with pytest.raises(UsageError, match="attention_bias acts on translated tokens"):
