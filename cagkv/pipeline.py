@@ -62,20 +62,6 @@ if TYPE_CHECKING:
     from cagkv.models import LoadedModel
 
 MODES = ("auto", "canonical", "translate", "mot-window", "native", "none")
-BIAS_SCOPES = ("all", "question", "answerK")  # which fed tokens an attention bias acts for
-
-
-def bias_answer_tokens(scope: str) -> int | None:
-    """How many answer tokens an attention bias of this scope acts for besides the question's:
-    None for "all" (every one), 0 for "question", K for "answerK" (the first K)."""
-    if scope == "all":
-        return None
-    if scope == "question":
-        return 0
-    if scope.startswith("answer") and scope[len("answer"):].isdigit():
-        return int(scope[len("answer"):])
-    raise UsageError(f"attention_bias_scope must be all, question or answerK (K >= 0 answer tokens, "
-                     f"as in answer4), got {scope!r}")
 TRANSLATED = ("translate", "mot-window")
 FUSE_FEED_ENV = "CAGKV_FUSE_FEED"  # 0: separators and refreshed tokens in forwards of their own (E62)
 TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_token", "total")
@@ -84,6 +70,19 @@ TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_toke
 NEUTRAL_QUESTIONS = ("What does the text say?", "What is this text about?", "Summarize the text.",
                      "What are the main facts in the text?")
 _RETRIEVE_RETRIES = 5  # searches again when a concurrent writer removed a hit before its load
+
+
+def bias_answer_tokens(scope: str) -> int | None:
+    """Which fed tokens an attention bias acts for: how many answer tokens besides the question's,
+    None for scope "all" (every one), 0 for "question", K for "answerK" (the first K)."""
+    if scope == "all":
+        return None
+    if scope == "question":
+        return 0
+    if scope.startswith("answer") and scope[len("answer"):].isdigit():
+        return int(scope[len("answer"):])
+    raise UsageError(f"attention_bias_scope must be all, question or answerK (K >= 0 answer tokens, "
+                     f"as in answer4), got {scope!r}")
 
 
 @dataclass(frozen=True)
@@ -332,8 +331,6 @@ class CAG:
             raise UsageError(f"attention_bias must be a finite number, got {attention_bias}")
         if attention_bias and mode != "translate":
             raise UsageError(f"attention_bias acts on translated tokens: it needs mode translate (mode {mode} ran)")
-        if attention_bias_scope is not None:
-            bias_answer_tokens(attention_bias_scope)  # refused before any work
         if attention_bias is None:  # the card's, measured apart with and without a refresh (E87, E88)
             field = "attention_bias" if refresh else "attention_bias_r0" if not replay else None
             attention_bias = float(getattr(translator, field, 0.0) or 0.0) if mode == "translate" and field else 0.0

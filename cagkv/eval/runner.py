@@ -282,8 +282,12 @@ def _flags(text: str) -> tuple[bool, float | None, str]:
         if flag == "shift":
             shift = True
         elif flag.startswith("answer"):
-            if not flag[len("answer"):].isdigit():
-                raise UsageError(f"--modes: +answerK takes a count of answer tokens, as in +answer4, got {flag!r}")
+            from cagkv.pipeline import bias_answer_tokens
+
+            try:
+                bias_answer_tokens(flag)
+            except UsageError:
+                raise UsageError(f"--modes: +answerK takes a count of answer tokens, as in +answer4, got {flag!r}") from None
             answer = flag
         elif flag.startswith(("bias", "qbias")):
             name = "qbias" if flag.startswith("qbias") else "bias"
