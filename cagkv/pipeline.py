@@ -52,7 +52,7 @@ import torch
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
-from cagkv.models.layers import AttentionBias, forward_at
+from cagkv.models.layers import AttentionBias, bias_answer_tokens, forward_at
 from cagkv.prompt import PromptFormat
 from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed
 from cagkv.stores.records import ChunksChangedError
@@ -70,19 +70,6 @@ TIMING_KEYS = ("retrieve", "load", "translate", "replay", "prefill", "first_toke
 NEUTRAL_QUESTIONS = ("What does the text say?", "What is this text about?", "Summarize the text.",
                      "What are the main facts in the text?")
 _RETRIEVE_RETRIES = 5  # searches again when a concurrent writer removed a hit before its load
-
-
-def bias_answer_tokens(scope: str) -> int | None:
-    """Which fed tokens an attention bias acts for: how many answer tokens besides the question's,
-    None for scope "all" (every one), 0 for "question", K for "answerK" (the first K)."""
-    if scope == "all":
-        return None
-    if scope == "question":
-        return 0
-    if scope.startswith("answer") and scope[len("answer"):].isdigit():
-        return int(scope[len("answer"):])
-    raise UsageError(f"attention_bias_scope must be all, question or answerK (K >= 0 answer tokens, "
-                     f"as in answer4), got {scope!r}")
 
 
 @dataclass(frozen=True)
@@ -340,7 +327,10 @@ class CAG:
                 scope = "" if attention_bias_scope == "all" else f", scope {attention_bias_scope}"
                 reason = "; ".join(r for r in (reason, f"attention bias {attention_bias:g} on the tokens left translated "
                                                         f"(the translator card's {field}{scope})") if r)
-        answer_tokens = bias_answer_tokens(attention_bias_scope or "all")
+        try:
+            answer_tokens = bias_answer_tokens(attention_bias_scope or "all")
+        except ValueError as err:
+            raise UsageError(f"attention_bias_scope: {err}") from None
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:

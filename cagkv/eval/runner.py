@@ -282,11 +282,11 @@ def _flags(text: str) -> tuple[bool, float | None, str]:
         if flag == "shift":
             shift = True
         elif flag.startswith("answer"):
-            from cagkv.pipeline import bias_answer_tokens
+            from cagkv.models.layers import bias_answer_tokens
 
             try:
                 bias_answer_tokens(flag)
-            except UsageError:
+            except ValueError:
                 raise UsageError(f"--modes: +answerK takes a count of answer tokens, as in +answer4, got {flag!r}") from None
             answer = flag
         elif flag.startswith(("bias", "qbias")):

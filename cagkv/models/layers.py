@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 __all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at", "AttentionBias", "head_logits",
-           "biased_masks"]
+           "biased_masks", "bias_answer_tokens"]
 
 
 class AttentionBias(NamedTuple):
@@ -48,6 +48,20 @@ class AttentionBias(NamedTuple):
         if self.until is not None:
             rows = (query_positions.to(key_positions.device) < self.until).to(torch.float32)
         return rows[:, None] * hit[None, :] * self.value
+
+
+def bias_answer_tokens(scope: str) -> int | None:
+    """Which fed tokens an attention bias acts for, by its scope: None for "all" (every one), 0
+    for "question" (the question's only), K for "answerK" (the question's and the first K answer
+    tokens'). ValueError for any other scope."""
+    if scope == "all":
+        return None
+    if scope == "question":
+        return 0
+    if scope.startswith("answer") and scope[len("answer"):].isdigit():
+        return int(scope[len("answer"):])
+    raise ValueError(f"an attention bias scope is all, question or answerK (K >= 0 answer tokens, as in answer4), "
+                     f"got {scope!r}")
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

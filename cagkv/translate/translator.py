@@ -40,6 +40,7 @@ import torch
 from cagkv.align import align_tokens, token_offsets_many
 from cagkv.errors import TranslatorError, UsageError
 from cagkv.kv import KVBlock
+from cagkv.models.layers import bias_answer_tokens
 from cagkv.translate.features import TargetSide, source_features
 from cagkv.translate.folded import FoldedMoT
 from cagkv.translate.mot import MoTOutput, MoTTranslator
@@ -230,13 +231,10 @@ def card_attention_bias(card: dict[str, Any], key: str = "attention_bias") -> fl
 def card_bias_scope(card: dict[str, Any], key: str) -> str:
     """The card's scope for its bias `key` (`key + "_scope"`: "all", "question" or "answerK",
     docs/EXPERIMENTS.md E88e) where it names a valid one, else "all"."""
-    from cagkv.errors import UsageError
-    from cagkv.pipeline import bias_answer_tokens
-
     value = card.get(f"{key}_scope", "all")
     try:
         bias_answer_tokens(value if isinstance(value, str) else "")
-    except UsageError:
+    except ValueError:
         return "all"
     return value
 

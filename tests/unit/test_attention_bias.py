@@ -11,7 +11,8 @@ from tiny_lms import tiny
 from transformers import DynamicCache
 
 from cagkv.models.cache import full_cache
-from cagkv.models.layers import AttentionBias, decoder_of, forward_at, head_logits, layer_types, run_layers
+from cagkv.models.layers import (AttentionBias, bias_answer_tokens, decoder_of, forward_at, head_logits, layer_types,
+                                 run_layers)
 from cagkv.refresh import _mask, feed, refresh_tokens
 
 BIASED = torch.tensor([2, 3, 5, 11, 17, 19])  # some of them outside Gemma-3's tiny window (8) for the fed tokens
@@ -118,3 +119,12 @@ def test_a_zero_bias_is_the_models_own_forward_and_a_bias_needs_a_cache() -> Non
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="needs a cache"):
         forward_at(lm.model, [5, 6], 0, None, bias=AttentionBias(BIASED, 0.5))
+
+
+def test_bias_scope_parser_counts_answer_tokens_and_refuses_the_rest():
+    assert bias_answer_tokens("all") is None
+    assert bias_answer_tokens("question") == 0
+    assert bias_answer_tokens("answer0") == 0 and bias_answer_tokens("answer12") == 12
+    for bad in ("", "answer", "answer-1", "answers4", "All"):
+        with pytest.raises(ValueError, match="all, question or answerK"):
+            bias_answer_tokens(bad)
