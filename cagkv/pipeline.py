@@ -52,7 +52,7 @@ import torch
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
-from cagkv.models.layers import AttentionBias, bias_answer_tokens, forward_at
+from cagkv.models.layers import AttentionBias, decoder_of, forward_at, layer_types, parse_bias_scope
 from cagkv.prompt import PromptFormat
 from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed
 from cagkv.stores.records import ChunksChangedError
@@ -284,8 +284,10 @@ class CAG:
         for: the tokens left translated against the refreshed ones), its `attention_bias_r0`
         for pure translation (no refresh, no replay), else 0. `attention_bias_scope`
         "question": for the question's tokens only, not the answer's (E86c); "answerK": for the
-        question's and the first K answer tokens' (E88e); "all" (every one); None: the card's
-        scope for its own bias (`attention_bias_r0_scope` ...), else "all".
+        question's and the first K answer tokens' (E88e); "all" (every one); after a comma,
+        "sliding" or "full" keeps it to the layers of that attention kind (E90; as in
+        "all,sliding"); None: the card's scope for its own bias (`attention_bias_r0_scope` ...),
+        else "all".
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -328,9 +330,14 @@ class CAG:
                 reason = "; ".join(r for r in (reason, f"attention bias {attention_bias:g} on the tokens left translated "
                                                         f"(the translator card's {field}{scope})") if r)
         try:
-            answer_tokens = bias_answer_tokens(attention_bias_scope or "all")
+            bias_scope = parse_bias_scope(attention_bias_scope or "all")
         except ValueError as err:
             raise UsageError(f"attention_bias_scope: {err}") from None
+        if attention_bias and bias_scope.kinds:
+            inner = decoder_of(target_model.model)
+            if not bias_scope.kinds & set(layer_types(inner.config, len(inner.layers))):
+                raise UsageError(f"attention_bias_scope {attention_bias_scope!r}: {target_model.name} has no "
+                                 f"{'/'.join(sorted(bias_scope.kinds))} layers")
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:
@@ -398,9 +405,9 @@ class CAG:
         if attention_bias and blocks:
             left = [p for start, block in zip(starts, blocks) for p in range(start, start + block.num_tokens)
                     if p not in chosen]
-            until = None if answer_tokens is None else n + len(prompt_ids) + answer_tokens
+            until = None if bias_scope.answer_tokens is None else n + len(prompt_ids) + bias_scope.answer_tokens
             if left:  # everything refreshed: nothing translated to bias, the model's own forward
-                bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until)
+                bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until, bias_scope.kinds)
         return Prepared(
             target=target_model,
             mode=mode,

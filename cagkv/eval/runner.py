@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -273,19 +273,22 @@ class Variant(NamedTuple):
     bias_scope: str | None = None  # None: all, or the card's scope for its own bias; "question": +qbiasB; "answerK"
 
 
-def _flags(text: str) -> tuple[bool, float | None, str]:
-    """"shift" / "biasB" / "qbiasB" / "answerK" flags (each after a "+") -> (shift, attention bias
-    or None, its scope: None (every token, or the card's scope for the card's bias), "question" for
-    qbias, "answerK" for the question's and the first K answer tokens')."""
-    shift, bias, scope, answer = False, None, None, None
+def _flags(text: str) -> tuple[bool, float | None, str | None]:
+    """"shift" / "biasB" / "qbiasB" / "answerK" / "sliding" / "full" flags (each after a "+") ->
+    (shift, attention bias or None, its scope: None (every token, or the card's scope for the
+    card's bias), "question" for qbias, "answerK" for the question's and the first K answer
+    tokens', with ",sliding" / ",full" for the layers of that attention kind only)."""
+    shift, bias, scope, answer, layers = False, None, None, None, None
     for flag in text.split("+") if text else []:
         if flag == "shift":
             shift = True
+        elif flag in ("sliding", "full"):
+            layers = flag
         elif flag.startswith("answer"):
-            from cagkv.models.layers import bias_answer_tokens
+            from cagkv.models.layers import parse_bias_scope
 
             try:
-                bias_answer_tokens(flag)
+                parse_bias_scope(flag)
             except ValueError:
                 raise UsageError(f"--modes: +answerK takes a count of answer tokens, as in +answer4, got {flag!r}") from None
             answer = flag
@@ -299,16 +302,19 @@ def _flags(text: str) -> tuple[bool, float | None, str]:
                 raise UsageError(f"--modes: +{name}B takes a finite number, got {flag!r}")
             scope = "question" if name == "qbias" else None
         else:
-            raise UsageError(f"--modes: flags after + are 'shift', 'biasB', 'qbiasB' and 'answerK', got {flag!r}")
+            raise UsageError(f"--modes: flags after + are 'shift', 'biasB', 'qbiasB', 'answerK', 'sliding' and 'full', "
+                             f"got {flag!r}")
     if answer is not None:
         if scope == "question":
             raise UsageError("--modes: +qbiasB is the question only; +answerK goes with +biasB")
         scope = answer
+    if layers is not None:
+        scope = f"{scope or 'all'},{layers}"
     return shift, bias, scope
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
@@ -342,7 +348,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""

@@ -6,9 +6,10 @@ appending each layer's keys/values to `cache` exactly as the model's own forward
 (same masks, same rotary embeddings per layer type). With `start=0` and the token
 embeddings as `hidden` it is the model's forward, which the tests check bit for bit.
 
-`forward_at(..., bias=AttentionBias(positions, value, until))` adds `value` to the attention
-logits of the cached `positions` for the fed tokens before `until`, in every layer and head (a
-chunk's tokens left translated: docs/EXPERIMENTS.md E86, E87).
+`forward_at(..., bias=AttentionBias(positions, value, until, kinds))` adds `value` to the
+attention logits of the cached `positions` for the fed tokens before `until`, in every head of
+the layers of the attention `kinds` (None: every layer; a chunk's tokens left translated:
+docs/EXPERIMENTS.md E86, E87, E90).
 
 `inject_kv(cache, {layer: (keys_rotated, values)})` makes the named layers store and
 attend over the given keys/values for the new tokens instead of the ones they compute
@@ -30,16 +31,18 @@ import torch
 from torch import nn
 
 __all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at", "AttentionBias", "head_logits",
-           "biased_masks", "bias_answer_tokens"]
+           "biased_masks", "BiasScope", "parse_bias_scope"]
 
 
 class AttentionBias(NamedTuple):
     """`value` added to the attention logits of the cached tokens at `positions` (absolute),
-    for the queries before position `until` (None: every query)."""
+    for the queries before position `until` (None: every query), in the layers of the attention
+    kinds `kinds` (None: every layer)."""
 
     positions: torch.Tensor
     value: float
     until: int | None = None
+    kinds: frozenset[str] | None = None
 
     def matrix(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """The additive bias `[Q, K]` of queries at `query_positions` over keys at `key_positions`."""
@@ -50,18 +53,38 @@ class AttentionBias(NamedTuple):
         return rows[:, None] * hit[None, :] * self.value
 
 
-def bias_answer_tokens(scope: str) -> int | None:
-    """Which fed tokens an attention bias acts for, by its scope: None for "all" (every one), 0
-    for "question" (the question's only), K for "answerK" (the question's and the first K answer
-    tokens'). ValueError for any other scope."""
-    if scope == "all":
-        return None
-    if scope == "question":
-        return 0
-    if scope.startswith("answer") and scope[len("answer"):].isdigit():
-        return int(scope[len("answer"):])
-    raise ValueError(f"an attention bias scope is all, question or answerK (K >= 0 answer tokens, as in answer4), "
-                     f"got {scope!r}")
+class BiasScope(NamedTuple):
+    """Where an attention bias acts: `answer_tokens` (None: every fed token; K: the question's
+    and the first K answer tokens) and `kinds` (None: every layer; else the layers of those
+    attention kinds)."""
+
+    answer_tokens: int | None = None
+    kinds: frozenset[str] | None = None
+
+
+_LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}
+
+
+def parse_bias_scope(scope: str) -> BiasScope:
+    """An attention bias scope: comma-separated words, at most one for the queries ("all", every
+    fed token; "question", the question's only; "answerK", the question's and the first K answer
+    tokens') and one for the layers ("sliding" or "full": the layers of that attention kind
+    only), as in "answer4,sliding". ValueError for anything else."""
+    queries: int | None = None
+    kinds: frozenset[str] | None = None
+    seen_queries = False
+    for word in scope.split(","):
+        if word in _LAYER_WORDS and kinds is None:
+            kinds = frozenset({_LAYER_WORDS[word]})
+            continue
+        if not seen_queries and (word in ("all", "question")
+                                 or (word.startswith("answer") and word[len("answer"):].isdigit())):
+            seen_queries = True
+            queries = None if word == "all" else 0 if word == "question" else int(word[len("answer"):])
+            continue
+        raise ValueError(f"an attention bias scope is all, question or answerK (K >= 0 answer tokens, as in answer4), "
+                         f"optionally with sliding or full after a comma (as in answer4,sliding), got {scope!r}")
+    return BiasScope(queries, kinds)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -106,7 +129,8 @@ def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cac
                 ~mask, torch.finfo(hidden.dtype).min)
         _, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
         keys = int(offset) + torch.arange(mask.shape[-1], device=mask.device)
-        out[kind] = mask + bias.matrix(positions[0], keys).to(mask.dtype)
+        out[kind] = mask + bias.matrix(positions[0], keys).to(mask.dtype) if bias.kinds is None or kind in bias.kinds \
+            else mask
     return out
 
 

@@ -40,7 +40,7 @@ import torch
 from cagkv.align import align_tokens, token_offsets_many
 from cagkv.errors import TranslatorError, UsageError
 from cagkv.kv import KVBlock
-from cagkv.models.layers import bias_answer_tokens
+from cagkv.models.layers import parse_bias_scope
 from cagkv.translate.features import TargetSide, source_features
 from cagkv.translate.folded import FoldedMoT
 from cagkv.translate.mot import MoTOutput, MoTTranslator
@@ -230,10 +230,11 @@ def card_attention_bias(card: dict[str, Any], key: str = "attention_bias") -> fl
 
 def card_bias_scope(card: dict[str, Any], key: str) -> str:
     """The card's scope for its bias `key` (`key + "_scope"`: "all", "question" or "answerK",
-    docs/EXPERIMENTS.md E88e) where it names a valid one, else "all"."""
+    optionally ",sliding" / ",full": docs/EXPERIMENTS.md E88e, E90) where it names a valid one,
+    else "all"."""
     value = card.get(f"{key}_scope", "all")
     try:
-        bias_answer_tokens(value if isinstance(value, str) else "")
+        parse_bias_scope(value if isinstance(value, str) else "")
     except ValueError:
         return "all"
     return value

@@ -11,8 +11,8 @@ from tiny_lms import tiny
 from transformers import DynamicCache
 
 from cagkv.models.cache import full_cache
-from cagkv.models.layers import (AttentionBias, bias_answer_tokens, decoder_of, forward_at, head_logits, layer_types,
-                                 run_layers)
+from cagkv.models.layers import (AttentionBias, BiasScope, decoder_of, forward_at, head_logits, layer_types,
+                                 parse_bias_scope, run_layers)
 from cagkv.refresh import _mask, feed, refresh_tokens
 
 BIASED = torch.tensor([2, 3, 5, 11, 17, 19])  # some of them outside Gemma-3's tiny window (8) for the fed tokens
@@ -36,7 +36,8 @@ def _reference(model, cache, n: int, ids: list[int], bias: AttentionBias) -> tor
     rows = torch.ones(len(ids)) if bias.until is None else (queries < bias.until).float()
     masks = {kind: _mask(keys, torch.zeros(len(keys), dtype=torch.bool), queries,
                          window if kind == "sliding_attention" else None, torch.float32)
-             + bias.value * rows[:, None] * torch.isin(keys, bias.positions).float()[None, :] for kind in set(types)}
+             + (bias.value if bias.kinds is None or kind in bias.kinds else 0.0)
+             * rows[:, None] * torch.isin(keys, bias.positions).float()[None, :] for kind in set(types)}
     with torch.no_grad():
         hidden = run_layers(model, model.get_input_embeddings()(torch.tensor([ids])), queries[None],
                             copy.deepcopy(cache), 0, masks=masks)
@@ -121,10 +122,28 @@ def test_a_zero_bias_is_the_models_own_forward_and_a_bias_needs_a_cache() -> Non
         forward_at(lm.model, [5, 6], 0, None, bias=AttentionBias(BIASED, 0.5))
 
 
-def test_bias_scope_parser_counts_answer_tokens_and_refuses_the_rest():
-    assert bias_answer_tokens("all") is None
-    assert bias_answer_tokens("question") == 0
-    assert bias_answer_tokens("answer0") == 0 and bias_answer_tokens("answer12") == 12
-    for bad in ("", "answer", "answer-1", "answers4", "All"):
+@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention"])
+def test_a_bias_kept_to_one_attention_kind_leaves_the_other_layers_unbiased(kind: str) -> None:
+    lm = tiny("gemma3_text")  # sliding, sliding, full, sliding
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(1))
+    fed = ids[0, 20:].tolist()
+    every = _cache(lm.model, ids[:, :20], full_cache)
+    bias = AttentionBias(BIASED, 0.7, None, frozenset({kind}))
+    with torch.no_grad():
+        got = forward_at(lm.model, fed, 20, _cache(lm.model, ids[:, :20], lambda: DynamicCache(config=lm.config)),
+                         keep=0, bias=bias).logits[0]
+        plain = forward_at(lm.model, fed, 20, copy.deepcopy(every), keep=0).logits[0]
+    torch.testing.assert_close(got, _reference(lm.model, every, 20, fed, bias), atol=1e-4, rtol=1e-4)
+    everywhere = _reference(lm.model, every, 20, fed, AttentionBias(BIASED, 0.7))
+    assert not torch.allclose(got, plain, atol=1e-3) and not torch.allclose(got, everywhere, atol=1e-3)
+
+
+def test_bias_scope_parser_reads_the_queries_and_the_layers_and_refuses_the_rest():
+    assert parse_bias_scope("all") == BiasScope(None, None)
+    assert parse_bias_scope("question") == BiasScope(0, None)
+    assert parse_bias_scope("answer0").answer_tokens == 0 and parse_bias_scope("answer12").answer_tokens == 12
+    assert parse_bias_scope("sliding") == BiasScope(None, frozenset({"sliding_attention"}))
+    assert parse_bias_scope("answer4,full") == parse_bias_scope("full,answer4") == BiasScope(4, frozenset({"full_attention"}))
+    for bad in ("", "answer", "answer-1", "answers4", "All", "all,question", "sliding,full", "all,", "all, sliding"):
         with pytest.raises(ValueError, match="all, question or answerK"):
-            bias_answer_tokens(bad)
+            parse_bias_scope(bad)

@@ -404,7 +404,10 @@ def test_variant_spec_names_artifact_replay_window_refresh_or_a_bias():
     assert variant_spec("/a/b@0+qbias1.5") == ("/a/b", 0, False, 0.0, None, False, 1.5, "question")
     assert variant_spec("/a/b@0+bias-0.25+answer4") == ("/a/b", 0, False, 0.0, None, False, -0.25, "answer4")
     assert variant_spec("/a/b@0+answer0").bias_scope == "answer0"  # the card's bias, scoped
-    for bad in ("/a@0+bias1+answer", "/a@0+bias1+answer-1", "/a@0+bias1+answerx", "/a@0+qbias1+answer2", "/a@0+qbias", "/a@refresh0.2+loud", "/a@2+shift", "/a@window+bias0.5", "/a@0+bias", "/a@0+biasx", "/a@0+biasnan", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
+    assert variant_spec("/a/b@0+bias-0.25+sliding").bias_scope == "all,sliding"
+    assert variant_spec("/a/b@0+full+answer2").bias_scope == "answer2,full"
+    assert variant_spec("/a/b@0+qbias1+full").bias_scope == "question,full"
+    for bad in ("/a@0+bias1+answer", "/a@0+bias1+answer-1", "/a@0+bias1+slide", "/a@0+bias1+answerx", "/a@0+qbias1+answer2", "/a@0+qbias", "/a@refresh0.2+loud", "/a@2+shift", "/a@window+bias0.5", "/a@0+bias", "/a@0+biasx", "/a@0+biasnan", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
         with pytest.raises(UsageError, match="--modes"):
             variant_spec(bad)
 

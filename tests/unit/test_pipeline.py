@@ -412,6 +412,12 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
         cag.prepare(q, target=models[target], mode="translate", attention_bias=1.0, attention_bias_scope="answer")
     with pytest.raises(UsageError, match="answerK"):
         cag.prepare(q, target=models[target], mode="translate", attention_bias=1.0, attention_bias_scope="answer-2")
+    sliding = cag.prepare(q, target=models["gemma"], mode="translate", top_k=3, attention_bias=3.0,
+                          attention_bias_scope="answer1,sliding")
+    assert sliding.bias.kinds == {"sliding_attention"} and sliding.bias.until == (
+        sliding.next_position + len(sliding.prompt_ids) + 1)
+    with pytest.raises(UsageError, match="has no sliding_attention layers"):  # Qwen2's tiny model: full attention only
+        cag.prepare(q, target=models["qwen2"], mode="translate", attention_bias=1.0, attention_bias_scope="sliding")
     class CardBias(NoiseTranslator):  # a card naming attention_bias: used where a refresh runs only
         attention_bias = -0.5
 
