@@ -89,9 +89,11 @@ def test_a_bias_of_log_2_reads_a_token_as_if_it_were_cached_twice(family: str) -
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str) -> None:
+@pytest.mark.parametrize("kinds", [None, frozenset({"full_attention"})])
+def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str, kinds: frozenset[str] | None) -> None:
     """Stale entries recomputed in the prompt's forward are computed as `refresh_tokens`
-    computes them (no bias); the prompt's rows are biased: one forward equals the two."""
+    computes them (no bias); the prompt's rows are biased (in the layers of `kinds`): one
+    forward equals the two."""
     lm = tiny(family)
     ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(2))
     stale = {p: int(ids[0, p]) for p in (4, 9, 15)}
@@ -99,7 +101,7 @@ def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str) -> No
     for layer in cache.layers:  # placeholders at the stale positions
         layer.keys[:, :, sorted(stale)] = 0
         layer.values[:, :, sorted(stale)] = 0
-    bias = AttentionBias(BIASED, -0.5)
+    bias = AttentionBias(BIASED, -0.5, None, kinds)
     prompt = ids[0, 20:].tolist()
     _, got = feed(lm.model, copy.deepcopy(cache), 20, prompt, stale, keep=0, bias=bias)
     first = copy.deepcopy(cache)
