@@ -285,9 +285,10 @@ class CAG:
         for pure translation (no refresh, no replay), else 0. `attention_bias_scope`
         "question": for the question's tokens only, not the answer's (E86c); "answerK": for the
         question's and the first K answer tokens' (E88e); "all" (every one); after a comma,
-        "sliding" or "full" keeps it to the layers of that attention kind (E90; as in
-        "all,sliding"); None: the card's scope for its own bias (`attention_bias_r0_scope` ...),
-        else "all".
+        "sliding" or "full" keeps it to the layers of that attention kind, and after "question"
+        or "answerK" a "rest:sliding" / "rest:full" gives the answer's later tokens the bias in
+        those layers (E90; as in "all,sliding", "question,rest:full"); None: the card's scope
+        for its own bias (`attention_bias_r0_scope` ...), else "all".
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -333,11 +334,13 @@ class CAG:
             bias_scope = parse_bias_scope(attention_bias_scope or "all")
         except ValueError as err:
             raise UsageError(f"attention_bias_scope: {err}") from None
-        if attention_bias and bias_scope.kinds:
+        if attention_bias and (bias_scope.kinds or bias_scope.rest_kinds):
             inner = decoder_of(target_model.model)
-            if not bias_scope.kinds & set(layer_types(inner.config, len(inner.layers))):
-                raise UsageError(f"attention_bias_scope {attention_bias_scope!r}: {target_model.name} has no "
-                                 f"{'/'.join(sorted(bias_scope.kinds))} layers")
+            present = set(layer_types(inner.config, len(inner.layers)))
+            for named in (bias_scope.kinds, bias_scope.rest_kinds):
+                if named and not named & present:
+                    raise UsageError(f"attention_bias_scope {attention_bias_scope!r}: {target_model.name} has no "
+                                     f"{'/'.join(sorted(named))} layers")
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:
@@ -407,7 +410,8 @@ class CAG:
                     if p not in chosen]
             until = None if bias_scope.answer_tokens is None else n + len(prompt_ids) + bias_scope.answer_tokens
             if left:  # everything refreshed: nothing translated to bias, the model's own forward
-                bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until, bias_scope.kinds)
+                bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until, bias_scope.kinds,
+                                     bias_scope.rest_kinds)
         return Prepared(
             target=target_model,
             mode=mode,

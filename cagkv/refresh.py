@@ -400,8 +400,8 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
         key_positions = torch.cat([held, queries])
         stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool, device=device)])
         masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
-        if bias is not None and bias.value != 0 and appended and (bias.kinds is None or kind in bias.kinds):
-            masks[kind][..., len(pos):, :] += bias.matrix(queries[len(pos):], key_positions).to(dtype)
+        if bias is not None and bias.acts_in(kind) and appended:
+            masks[kind][..., len(pos):, :] += bias.matrix(queries[len(pos):], key_positions, kind).to(dtype)
     hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]], device=device))
     hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
     return work, spans, hidden

@@ -35,31 +35,44 @@ __all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at",
 
 
 class AttentionBias(NamedTuple):
-    """`value` added to the attention logits of the cached tokens at `positions` (absolute),
-    for the queries before position `until` (None: every query), in the layers of the attention
-    kinds `kinds` (None: every layer)."""
+    """`value` added to the attention logits of the cached tokens at `positions` (absolute): for
+    the queries before position `until` (None: every query) in the layers of the attention kinds
+    `kinds` (None: every layer), and for the queries from `until` on in the layers of `rest_kinds`
+    (none by default)."""
 
     positions: torch.Tensor
     value: float
     until: int | None = None
     kinds: frozenset[str] | None = None
+    rest_kinds: frozenset[str] = frozenset()
 
-    def matrix(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """The additive bias `[Q, K]` of queries at `query_positions` over keys at `key_positions`."""
-        hit = torch.isin(key_positions, self.positions.to(key_positions.device)).to(torch.float32)
-        rows = torch.ones(len(query_positions), device=key_positions.device)
+    def acts_in(self, kind: str) -> bool:
+        """Whether the layers of attention kind `kind` see any of the bias."""
+        return self.value != 0 and ((self.kinds is None or kind in self.kinds)
+                                    or (self.until is not None and kind in self.rest_kinds))
+
+    def matrix(self, query_positions: torch.Tensor, key_positions: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        """The additive bias `[Q, K]` of queries at `query_positions` over keys at `key_positions`,
+        in a layer of attention kind `kind` (None: as if every kind were named)."""
+        device = key_positions.device
+        hit = torch.isin(key_positions, self.positions.to(device)).to(torch.float32)
+        early = kind is None or self.kinds is None or kind in self.kinds
+        rows = torch.full((len(query_positions),), float(early), device=device)
         if self.until is not None:
-            rows = (query_positions.to(key_positions.device) < self.until).to(torch.float32)
+            before = query_positions.to(device) < self.until
+            rest = kind is None or kind in self.rest_kinds
+            rows = torch.where(before, rows, torch.full_like(rows, float(rest)))
         return rows[:, None] * hit[None, :] * self.value
 
 
 class BiasScope(NamedTuple):
     """Where an attention bias acts: `answer_tokens` (None: every fed token; K: the question's
-    and the first K answer tokens) and `kinds` (None: every layer; else the layers of those
-    attention kinds)."""
+    and the first K answer tokens), `kinds` (None: every layer; else the layers of those
+    attention kinds) and `rest_kinds` (the layers in which the answer's later tokens read it too)."""
 
     answer_tokens: int | None = None
     kinds: frozenset[str] | None = None
+    rest_kinds: frozenset[str] = frozenset()
 
 
 _LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}
@@ -68,14 +81,20 @@ _LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}
 def parse_bias_scope(scope: str) -> BiasScope:
     """An attention bias scope: comma-separated words, at most one for the queries ("all", every
     fed token; "question", the question's only; "answerK", the question's and the first K answer
-    tokens') and one for the layers ("sliding" or "full": the layers of that attention kind
-    only), as in "answer4,sliding". ValueError for anything else."""
+    tokens'), one for the layers ("sliding" or "full": the layers of that attention kind only),
+    and, with "question" or "answerK", one for the answer's later tokens ("rest:sliding" or
+    "rest:full": they read the bias in the layers of that kind), as in "answer4,sliding" or
+    "question,rest:full". ValueError for anything else."""
     queries: int | None = None
     kinds: frozenset[str] | None = None
+    rest: frozenset[str] | None = None
     seen_queries = False
     for word in scope.split(","):
         if word in _LAYER_WORDS and kinds is None:
             kinds = frozenset({_LAYER_WORDS[word]})
+            continue
+        if word.startswith("rest:") and word[len("rest:"):] in _LAYER_WORDS and rest is None:
+            rest = frozenset({_LAYER_WORDS[word[len("rest:"):]]})
             continue
         if not seen_queries and (word in ("all", "question")
                                  or (word.startswith("answer") and word[len("answer"):].isdigit())):
@@ -83,8 +102,12 @@ def parse_bias_scope(scope: str) -> BiasScope:
             queries = None if word == "all" else 0 if word == "question" else int(word[len("answer"):])
             continue
         raise ValueError(f"an attention bias scope is all, question or answerK (K >= 0 answer tokens, as in answer4), "
-                         f"optionally with sliding or full after a comma (as in answer4,sliding), got {scope!r}")
-    return BiasScope(queries, kinds)
+                         f"optionally with sliding or full and, after question or answerK, rest:sliding or rest:full "
+                         f"(as in answer4,sliding or question,rest:full), got {scope!r}")
+    if rest is not None and queries is None:
+        raise ValueError(f"an attention bias scope's rest:KIND names the answer tokens after question or answerK, "
+                         f"got {scope!r}")
+    return BiasScope(queries, kinds, rest or frozenset())
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -129,8 +152,7 @@ def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cac
                 ~mask, torch.finfo(hidden.dtype).min)
         _, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
         keys = int(offset) + torch.arange(mask.shape[-1], device=mask.device)
-        out[kind] = mask + bias.matrix(positions[0], keys).to(mask.dtype) if bias.kinds is None or kind in bias.kinds \
-            else mask
+        out[kind] = mask + bias.matrix(positions[0], keys, kind).to(mask.dtype) if bias.acts_in(kind) else mask
     return out
 
 

@@ -33,11 +33,16 @@ def _reference(model, cache, n: int, ids: list[int], bias: AttentionBias) -> tor
     window = getattr(inner.config, "sliding_window", None)
     queries = n + torch.arange(len(ids))
     keys = torch.arange(n + len(ids))
-    rows = torch.ones(len(ids)) if bias.until is None else (queries < bias.until).float()
+    before = torch.ones(len(ids), dtype=torch.bool) if bias.until is None else queries < bias.until
+
+    def rows(kind: str) -> torch.Tensor:  # which queries read the bias in a layer of this kind
+        early = bias.kinds is None or kind in bias.kinds
+        return (before & early) | (~before & (kind in bias.rest_kinds))
+
     masks = {kind: _mask(keys, torch.zeros(len(keys), dtype=torch.bool), queries,
                          window if kind == "sliding_attention" else None, torch.float32)
-             + (bias.value if bias.kinds is None or kind in bias.kinds else 0.0)
-             * rows[:, None] * torch.isin(keys, bias.positions).float()[None, :] for kind in set(types)}
+             + bias.value * rows(kind).float()[:, None] * torch.isin(keys, bias.positions).float()[None, :]
+             for kind in set(types)}
     with torch.no_grad():
         hidden = run_layers(model, model.get_input_embeddings()(torch.tensor([ids])), queries[None],
                             copy.deepcopy(cache), 0, masks=masks)
@@ -124,13 +129,15 @@ def test_a_zero_bias_is_the_models_own_forward_and_a_bias_needs_a_cache() -> Non
         forward_at(lm.model, [5, 6], 0, None, bias=AttentionBias(BIASED, 0.5))
 
 
-@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention"])
+@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention", "rest:full_attention"])
 def test_a_bias_kept_to_one_attention_kind_leaves_the_other_layers_unbiased(kind: str) -> None:
     lm = tiny("gemma3_text")  # sliding, sliding, full, sliding
     ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(1))
     fed = ids[0, 20:].tolist()
     every = _cache(lm.model, ids[:, :20], full_cache)
     bias = AttentionBias(BIASED, 0.7, None, frozenset({kind}))
+    if kind.startswith("rest:"):  # the first two fed tokens in every layer, the last two in the full ones
+        bias = AttentionBias(BIASED, 0.7, 22, None, frozenset({kind[len("rest:"):]}))
     with torch.no_grad():
         got = forward_at(lm.model, fed, 20, _cache(lm.model, ids[:, :20], lambda: DynamicCache(config=lm.config)),
                          keep=0, bias=bias).logits[0]
@@ -146,6 +153,11 @@ def test_bias_scope_parser_reads_the_queries_and_the_layers_and_refuses_the_rest
     assert parse_bias_scope("answer0").answer_tokens == 0 and parse_bias_scope("answer12").answer_tokens == 12
     assert parse_bias_scope("sliding") == BiasScope(None, frozenset({"sliding_attention"}))
     assert parse_bias_scope("answer4,full") == parse_bias_scope("full,answer4") == BiasScope(4, frozenset({"full_attention"}))
-    for bad in ("", "answer", "answer-1", "answers4", "All", "all,question", "sliding,full", "all,", "all, sliding"):
+    assert parse_bias_scope("question,rest:full") == BiasScope(0, None, frozenset({"full_attention"}))
+    for bad in ("", "answer", "answer-1", "answers4", "All", "all,question", "sliding,full", "all,", "all, sliding",
+                "question,rest:full,rest:sliding", "question,rest:", "question,rest:all"):
         with pytest.raises(ValueError, match="all, question or answerK"):
             parse_bias_scope(bad)
+    for needs_queries in ("rest:full", "all,rest:full", "sliding,rest:sliding"):
+        with pytest.raises(ValueError, match="after question or answerK"):
+            parse_bias_scope(needs_queries)

@@ -416,6 +416,9 @@ def test_attention_bias_names_the_tokens_left_translated_and_reaches_scoring_and
                           attention_bias_scope="answer1,sliding")
     assert sliding.bias.kinds == {"sliding_attention"} and sliding.bias.until == (
         sliding.next_position + len(sliding.prompt_ids) + 1)
+    rest = cag.prepare(q, target=models["gemma"], mode="translate", top_k=3, attention_bias=3.0,
+                       attention_bias_scope="question,rest:full")
+    assert rest.bias.kinds is None and rest.bias.rest_kinds == {"full_attention"}
     with pytest.raises(UsageError, match="has no sliding_attention layers"):  # Qwen2's tiny model: full attention only
         cag.prepare(q, target=models["qwen2"], mode="translate", attention_bias=1.0, attention_bias_scope="sliding")
     class CardBias(NoiseTranslator):  # a card naming attention_bias: used where a refresh runs only
