@@ -9,7 +9,9 @@ A row is one (example, mode): `{"id", "mode", "answer", "prediction", "em", "f1"
 
 from __future__ import annotations
 
+import calendar
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -178,6 +180,43 @@ def _plain(value: float | None, ci: list[float | None] | None = None, digits: in
     return text
 
 
+SIDE_BY_SIDE_GAP_S = 60  # rows this close are one run's (a run of one question per mode has no overlap)
+
+
+def _seconds(stamp: str) -> float:
+    return calendar.timegm(time.strptime(stamp, "%Y-%m-%d %H:%M:%S UTC"))
+
+
+def timing_groups(rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> list[dict[str, Any]]:
+    """The modes whose rows were measured side by side, grouped: modes whose rows' measuring
+    times overlap, within SIDE_BY_SIDE_GAP_S (one run interleaves its modes question by question;
+    shards run at once), share a group; modes with rows written before rows carried a time
+    (`measured`) form one group of their own.
+    Each group: {"modes", "first", "last", "commits"} (first/last None for unstamped rows)."""
+    spans: dict[str, tuple[str, str, set[str]] | None] = {}
+    for mode in modes:
+        stamps = [r.get("measured") for r in rows if r["mode"] == mode]
+        if not stamps:
+            continue
+        if any(not st for st in stamps):
+            spans[mode] = None
+            continue
+        times = sorted(st["at"] for st in stamps)
+        spans[mode] = (times[0], times[-1], {str(st.get("commit")) for st in stamps})
+    merged: list[dict[str, Any]] = []
+    stamped = sorted(((span, m) for m, span in spans.items() if span is not None), key=lambda x: (x[0][:2], x[1]))
+    for (first, last, commits), mode in stamped:
+        if merged and _seconds(first) - _seconds(merged[-1]["last"]) <= SIDE_BY_SIDE_GAP_S:  # the spans overlap
+            group = merged[-1]
+            group["modes"].append(mode)
+            group["last"] = max(group["last"], last)
+            group["commits"] = sorted(set(group["commits"]) | commits)
+        else:
+            merged.append({"modes": [mode], "first": first, "last": last, "commits": sorted(commits)})
+    unstamped = [m for m, span in spans.items() if span is None]
+    return ([{"modes": unstamped, "first": None, "last": None, "commits": []}] if unstamped else []) + merged
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """A markdown section: settings, quality per mode, recovery, and the TTFT split."""
     cfg = report.get("config", {})
@@ -210,6 +249,13 @@ def to_markdown(report: dict[str, Any]) -> str:
             cells.append(_plain(m.get("kl"), m.get("kl_ci")))
         cells.append(_plain(m["ttft_ms"], None, digits=0))
         lines.append("| " + " | ".join(cells) + " |")
+    groups = timing_groups(report.get("examples", []), list(modes))
+    if len(groups) > 1:
+        parts = [f"{', '.join(g['modes'])} " + (f"at {g['first']} to {g['last'][11:]} (commit {', '.join(g['commits'])})"
+                                               if g["first"] else "(rows without a time, from earlier runs)")
+                 for g in groups]
+        lines += ["", "TTFT and the time split are **not side by side** across these groups of modes, measured apart "
+                  "(rows resumed from earlier runs): " + "; ".join(parts) + ". Compare times with benchmarks/ttft.py."]
     if report["recovery"]:
         lines += ["", "Recovery = (mode - none) / (native - none), % with paired bootstrap 95 % interval:", ""]
         metrics = list(QUALITY_METRICS) + (["kl"] if has_kl else [])

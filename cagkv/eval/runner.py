@@ -663,7 +663,10 @@ def run_eval(config: EvalConfig, progress: bool = True,
                     list(dict.fromkeys(m for _, m in todo)))
             bar = _progress(len(todo), "eval", progress)
             for example, mode in todo:
-                results.add(evaluate_example(runner, example, mode, config, document_of(example.context)))
+                row = evaluate_example(runner, example, mode, config, document_of(example.context))
+                # when and with which code: the report tells timings measured side by side from resumed ones
+                row["measured"] = {"at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": commit}
+                results.add(row)
                 bar.update(1)
             bar.close()
         if config.kl_text and config.shard is None:  # the KL windows run with the collecting run

@@ -254,6 +254,30 @@ def test_report_keys_values_and_recovery() -> None:
     assert "| translate |" in md and "Recovery" in md and "n = 10" in md
 
 
+def test_the_report_says_when_its_time_columns_were_not_measured_side_by_side() -> None:
+    from cagkv.eval.report import timing_groups
+
+    rows = _synthetic_rows(3)
+    md = to_markdown(build_report(rows, dataset="t", canonical="a", target="b", modes=["none", "native", "translate"]))
+    assert "not side by side" not in md  # no times at all: one group, nothing to say
+    for k, row in enumerate(rows):  # none and native in one run, question by question...
+        row["measured"] = {"at": f"2026-12-07 02:{10 + k // 3:02d}:00 UTC", "commit": "abc"}
+    for row in rows:  # ...translate resumed from a run of the day before
+        if row["mode"] == "translate":
+            row["measured"] = {"at": "2026-12-06 20:00:00 UTC", "commit": "old"}
+    groups = timing_groups(rows, ["none", "native", "translate"])
+    assert [g["modes"] for g in groups] == [["translate"], ["native", "none"]]
+    assert groups[1]["first"] == "2026-12-07 02:10:00 UTC" and groups[1]["commits"] == ["abc"]
+    md = to_markdown(build_report(rows, dataset="t", canonical="a", target="b", modes=["none", "native", "translate"]))
+    assert "**not side by side**" in md and "translate at 2026-12-06 20:00:00 UTC" in md
+    rows[-1].pop("measured")  # one row of translate without a time: the mode counts as an earlier run's
+    assert timing_groups(rows, ["none", "native", "translate"])[0] == {"modes": ["translate"], "first": None,
+                                                                       "last": None, "commits": []}
+    for row in rows:  # everything in one run: one group
+        row["measured"] = {"at": "2026-12-07 02:10:00 UTC", "commit": "abc"}
+    assert len(timing_groups(rows, ["none", "native", "translate"])) == 1
+
+
 def test_report_without_baselines_has_no_recovery() -> None:
     rows = [r for r in _synthetic_rows(3) if r["mode"] != "none"]
     report = build_report(rows, dataset="t", canonical="a", target="b", modes=["native", "translate"])
