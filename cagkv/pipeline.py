@@ -230,11 +230,12 @@ class CAG:
         refresh: float | None = None,
         refresh_scoring: str | None = None,
         attention_bias: float | None = None,
+        attention_bias_scope: str | None = None,
     ) -> Answer:
         """Answer `question` with `target` (default: the canonical model) from the store;
         the options are `prepare`'s."""
         prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring,
-                                attention_bias=attention_bias)
+                                attention_bias=attention_bias, attention_bias_scope=attention_bias_scope)
         return self.generate(prepared, max_new_tokens)
 
     def ask_stream(
@@ -249,12 +250,13 @@ class CAG:
         refresh: float | None = None,
         refresh_scoring: str | None = None,
         attention_bias: float | None = None,
+        attention_bias_scope: str | None = None,
     ) -> AnswerStream:
         """Like `ask`, but yields text pieces as they are decoded; see AnswerStream."""
 
         def run() -> Generator[str, None, Answer]:
             prepared = self.prepare(question, target, mode, top_k, replay, document_ids, refresh, refresh_scoring,
-                                    attention_bias=attention_bias)
+                                    attention_bias=attention_bias, attention_bias_scope=attention_bias_scope)
             return (yield from self._decode(prepared, max_new_tokens))
 
         return AnswerStream(run())

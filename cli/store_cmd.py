@@ -144,6 +144,15 @@ def ask_cmd(
              "ones; default: the translator card's attention_bias where a refresh runs, its attention_bias_r0 "
              "with neither refresh nor replay, else 0; docs/EXPERIMENTS.md E86-E88).",
     ),
+    attention_bias_scope: str | None = typer.Option(
+        None, "--attention-bias-scope",
+        help="Where the attention bias acts: all (every question and answer token), question (the question's "
+             "only), answerK (the question's and the first K answer tokens', as in answer4); after a comma, "
+             "sliding or full keeps it to the layers of that attention kind, and rest:sliding / rest:full (after "
+             "question or answerK) gives the later answer tokens the bias in that kind's layers, as in "
+             "question,rest:full (docs/EXPERIMENTS.md E88e, E90). Default: the translator card's scope for its "
+             "own bias, else all.",
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="Where the models run: cpu, cuda, cuda:N or auto (a GPU if there is one)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
@@ -162,7 +171,8 @@ def ask_cmd(
         raise UsageError("empty question: ask something")
     cag = CAG.open(store, db, dtype=dtype, device=device)  # the engine checks the canonical tokenizer before using stored blocks
     kwargs = {"target": target, "mode": mode, "top_k": top_k, "max_new_tokens": max_new_tokens, "replay": replay,
-              "refresh": refresh, "refresh_scoring": refresh_scoring, "attention_bias": attention_bias}
+              "refresh": refresh, "refresh_scoring": refresh_scoring, "attention_bias": attention_bias,
+              "attention_bias_scope": attention_bias_scope}
     if stream and not as_json:
         answer_stream = cag.ask_stream(question, **kwargs)
         for piece in answer_stream:

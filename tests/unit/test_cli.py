@@ -94,6 +94,8 @@ def test_ask_modes_and_stream(env, store):
     assert scoring.exit_code == 2 and "refresh_scoring" in scoring.output
     bias = run("ask", "Who lit the lamp?", "--store", str(store), "--mode", "native", "--attention-bias", "1")
     assert bias.exit_code == 2 and "attention_bias acts on translated tokens" in bias.output
+    scope = run("ask", "Who lit the lamp?", "--store", str(store), "--mode", "native", "--attention-bias-scope", "answer")
+    assert scope.exit_code == 2 and "attention_bias_scope" in scope.output
 
 
 def test_ls_stats_rm_doctor(env, store):
