@@ -54,7 +54,7 @@ from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
 from cagkv.models.layers import AttentionBias, decoder_of, forward_at, layer_types, parse_bias_scope
 from cagkv.prompt import PromptFormat
-from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed
+from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed, hardest_positions
 from cagkv.stores.records import ChunksChangedError
 
 if TYPE_CHECKING:
@@ -336,6 +336,9 @@ class CAG:
             bias_scope = parse_bias_scope(attention_bias_scope or "all")
         except ValueError as err:
             raise UsageError(f"attention_bias_scope: {err}") from None
+        if attention_bias and bias_scope.hard is not None and getattr(translator, "difficulty", None) is None:
+            raise UsageError(f"attention_bias_scope {attention_bias_scope!r}: hardF needs a translator with a difficulty "
+                             "table (benchmarks/fit_difficulty.py writes one)")
         if attention_bias and (bias_scope.kinds or bias_scope.rest_kinds):
             inner = decoder_of(target_model.model)
             present = set(layer_types(inner.config, len(inner.layers)))
@@ -410,6 +413,8 @@ class CAG:
         if attention_bias and blocks:
             left = [p for start, block in zip(starts, blocks) for p in range(start, start + block.num_tokens)
                     if p not in chosen]
+            if bias_scope.hard is not None and left:  # the share of them the translator expects to get most wrong
+                left = hardest_positions(translator.difficulty, zip(starts, blocks), left, bias_scope.hard)
             until = None if bias_scope.answer_tokens is None else n + len(prompt_ids) + bias_scope.answer_tokens
             if left:  # everything refreshed: nothing translated to bias, the model's own forward
                 bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until, bias_scope.kinds,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -243,6 +243,21 @@ def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float
     count = max(1, round(fraction * len(index)))
     best = torch.topk(mass[index], count).indices
     return sorted(int(p) for p in index[best])
+
+
+def hardest_positions(difficulty: torch.Tensor, placed: Iterable[tuple[int, Any]], positions: Sequence[int],
+                      fraction: float) -> list[int]:
+    """The `fraction` of `positions` (absolute, inside the placed blocks: (start, KVBlock)) whose
+    token ids the translator's difficulty table `[V]` ranks hardest (its expected error), sorted."""
+    token_at: dict[int, int] = {}
+    for start, block in placed:
+        token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
+    if not positions:
+        return []
+    mass = torch.full((max(positions) + 1,), float("-inf"))
+    ids = torch.tensor([token_at[p] for p in positions], dtype=torch.long)
+    mass[torch.as_tensor(list(positions), dtype=torch.long)] = difficulty[ids.clamp_max(len(difficulty) - 1)].float().cpu()
+    return top_positions(mass, positions, fraction)
 
 
 def _mask(key_positions: torch.Tensor, stale: torch.Tensor, query_positions: torch.Tensor,

@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -278,8 +278,9 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
     after a "+") -> (shift, attention bias or None, its scope: None (every token, or the card's
     scope for the card's bias), "question" for qbias, "answerK" for the question's and the first
     K answer tokens', with ",sliding" / ",full" for the layers of that attention kind only and
-    ",rest:KIND" for the answer's later tokens in the layers of KIND: cagkv.models.layers.parse_bias_scope)."""
-    shift, bias, scope, answer, layers, rest = False, None, None, None, None, None
+    ",rest:KIND" for the answer's later tokens in the layers of KIND, ",hardF" for the share F of the
+    translated tokens the difficulty table ranks hardest: cagkv.models.layers.parse_bias_scope)."""
+    shift, bias, scope, answer, layers, rest, hard = False, None, None, None, None, None, None
     for flag in text.split("+") if text else []:
         if flag == "shift":
             shift = True
@@ -287,6 +288,14 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
             layers = flag
         elif flag in ("rest:sliding", "rest:full"):
             rest = flag
+        elif flag.startswith("hard"):
+            from cagkv.models.layers import parse_bias_scope
+
+            try:
+                parse_bias_scope(flag)
+            except ValueError:
+                raise UsageError(f"--modes: +hardF takes a share in (0, 1], as in +hard0.33, got {flag!r}") from None
+            hard = flag
         elif flag.startswith("answer"):
             from cagkv.models.layers import parse_bias_scope
 
@@ -306,7 +315,7 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
             scope = "question" if name == "qbias" else None
         else:
             raise UsageError(f"--modes: flags after + are 'shift', 'biasB', 'qbiasB', 'answerK', 'sliding', 'full' and "
-                             f"'rest:sliding' / 'rest:full', got {flag!r}")
+                             f"'rest:sliding' / 'rest:full' and 'hardF', got {flag!r}")
     if answer is not None:
         if scope == "question":
             raise UsageError("--modes: +qbiasB is the question only; +answerK goes with +biasB")
@@ -317,11 +326,13 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
         if scope is None or scope.startswith("all"):
             raise UsageError(f"--modes: +{rest} names the answer's tokens after +qbiasB or +answerK")
         scope = f"{scope},{rest}"
+    if hard is not None:
+        scope = f"{scope or 'all'},{hard}"
     return shift, bias, scope
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
@@ -355,7 +366,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""

@@ -73,6 +73,7 @@ class BiasScope(NamedTuple):
     answer_tokens: int | None = None
     kinds: frozenset[str] | None = None
     rest_kinds: frozenset[str] = frozenset()
+    hard: float | None = None  # the share of the translated tokens the translator's difficulty table ranks hardest
 
 
 _LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}
@@ -84,12 +85,22 @@ def parse_bias_scope(scope: str) -> BiasScope:
     tokens'), one for the layers ("sliding" or "full": the layers of that attention kind only),
     and, with "question" or "answerK", one for the answer's later tokens ("rest:sliding" or
     "rest:full": they read the bias in the layers of that kind), as in "answer4,sliding" or
-    "question,rest:full". ValueError for anything else."""
+    "question,rest:full"; "hardF" (0 < F <= 1) keeps the bias to that share of the translated
+    tokens, those the translator's difficulty table ranks hardest (E92). ValueError for anything else."""
     queries: int | None = None
     kinds: frozenset[str] | None = None
     rest: frozenset[str] | None = None
+    hard: float | None = None
     seen_queries = False
     for word in scope.split(","):
+        if word.startswith("hard") and hard is None:
+            try:
+                hard = float(word[len("hard"):])
+            except ValueError:
+                hard = -1.0
+            if not 0 < hard <= 1:
+                raise ValueError(f"an attention bias scope's hardF takes a share in (0, 1], as in hard0.33, got {word!r}")
+            continue
         if word in _LAYER_WORDS and kinds is None:
             kinds = frozenset({_LAYER_WORDS[word]})
             continue
@@ -107,7 +118,7 @@ def parse_bias_scope(scope: str) -> BiasScope:
     if rest is not None and queries is None:
         raise ValueError(f"an attention bias scope's rest:KIND names the answer tokens after question or answerK, "
                          f"got {scope!r}")
-    return BiasScope(queries, kinds, rest or frozenset())
+    return BiasScope(queries, kinds, rest or frozenset(), hard)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

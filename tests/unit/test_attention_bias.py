@@ -154,6 +154,11 @@ def test_bias_scope_parser_reads_the_queries_and_the_layers_and_refuses_the_rest
     assert parse_bias_scope("sliding") == BiasScope(None, frozenset({"sliding_attention"}))
     assert parse_bias_scope("answer4,full") == parse_bias_scope("full,answer4") == BiasScope(4, frozenset({"full_attention"}))
     assert parse_bias_scope("question,rest:full") == BiasScope(0, None, frozenset({"full_attention"}))
+    assert parse_bias_scope("hard0.33") == BiasScope(None, None, frozenset(), 0.33)
+    assert parse_bias_scope("question,hard1").hard == 1.0
+    for bad_share in ("hard0", "hard1.5", "hardx", "hard"):
+        with pytest.raises(ValueError, match="share in"):
+            parse_bias_scope(bad_share)
     for bad in ("", "answer", "answer-1", "answers4", "All", "all,question", "sliding,full", "all,", "all, sliding",
                 "question,rest:full,rest:sliding", "question,rest:", "question,rest:all"):
         with pytest.raises(ValueError, match="all, question or answerK"):

@@ -540,6 +540,32 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
     assert runs[2] <= runs[1]
 
 
+def test_a_bias_scoped_hard_reaches_the_share_of_the_translated_tokens_the_table_finds_hardest(tmp_path, models):
+    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
+    translator = NoiseTranslator()
+    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    q = "Why did ships pass safely?"
+    with pytest.raises(UsageError, match="difficulty table"):  # refused before any work
+        cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, attention_bias=-1.0,
+                    attention_bias_scope="hard0.3")
+    assert translator.calls == 0
+    vocab = cag.model(models["qwen2"]).model.config.vocab_size
+    translator.difficulty = torch.rand(vocab, generator=torch.Generator().manual_seed(0))
+    every = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, attention_bias=-1.0)
+    hard = cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, attention_bias=-1.0,
+                       attention_bias_scope="question,hard0.3")
+    assert hard.bias.until == hard.next_position + len(hard.prompt_ids)
+    translated = every.bias.positions.tolist()
+    blocks = [cag.store.load_blocks([s.chunk])[0] for s in reversed(hard.sources)]  # in context order
+    fmt = PromptFormat.for_model(cag.model(models["qwen2"]))
+    ids = [t for b in blocks for t in fmt.chunk_ids(b.text)]
+    assert len(ids) == len(translated)
+    expected = {p: float(translator.difficulty[t]) for p, t in zip(translated, ids)}
+    kept = hard.bias.positions.tolist()
+    assert len(kept) == round(0.3 * len(translated)) and set(kept) <= set(translated)
+    assert min(expected[p] for p in kept) >= max(expected[p] for p in translated if p not in kept)
+
+
 def test_difficulty_scoring_refreshes_the_tokens_the_translators_table_finds_hardest(tmp_path, models):
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     translator = NoiseTranslator()
