@@ -150,8 +150,9 @@ def ask_cmd(
              "only), answerK (the question's and the first K answer tokens', as in answer4); after a comma, "
              "sliding or full keeps it to the layers of that attention kind, and rest:sliding / rest:full (after "
              "question or answerK) gives the later answer tokens the bias in that kind's layers, as in "
-             "question,rest:full (docs/EXPERIMENTS.md E88e, E90). Default: the translator card's scope for its "
-             "own bias, else all.",
+             "question,rest:full; hardF keeps it to the share F of the translated tokens the translator's "
+             "difficulty table ranks hardest (docs/EXPERIMENTS.md E88e, E90, E92). Default: the translator "
+             "card's scope for its own bias, else all.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="Where the models run: cpu, cuda, cuda:N or auto (a GPU if there is one)."),
