@@ -52,7 +52,7 @@ import torch
 
 from cagkv.errors import StoreError, TranslatorError, UsageError
 from cagkv.ingest import DEFAULT_CANONICAL, default_store_path, parse_dtype
-from cagkv.models.layers import AttentionBias, decoder_of, forward_at, layer_types, parse_bias_scope
+from cagkv.models.layers import AttentionBias, BiasScope, decoder_of, forward_at, layer_types, parse_bias_scope
 from cagkv.prompt import PromptFormat
 from cagkv.refresh import DEFAULT_SCORING, NEEDS_DIFFICULTY, SCORINGS, feed, hardest_positions
 from cagkv.stores.records import ChunksChangedError
@@ -289,8 +289,9 @@ class CAG:
         question's and the first K answer tokens' (E88e); "all" (every one); after a comma,
         "sliding" or "full" keeps it to the layers of that attention kind, and after "question"
         or "answerK" a "rest:sliding" / "rest:full" gives the answer's later tokens the bias in
-        those layers (E90; as in "all,sliding", "question,rest:full"); None: the card's scope
-        for its own bias (`attention_bias_r0_scope` ...), else "all".
+        those layers (E90; as in "all,sliding", "question,rest:full"); "hardF": on the share F of
+        the translated tokens the translator's difficulty table ranks hardest (E92); None: the
+        card's scope for its own bias (`attention_bias_r0_scope` ...), else "all".
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
         """
@@ -332,20 +333,7 @@ class CAG:
                 scope = "" if attention_bias_scope == "all" else f", scope {attention_bias_scope}"
                 reason = "; ".join(r for r in (reason, f"attention bias {attention_bias:g} on the tokens left translated "
                                                         f"(the translator card's {field}{scope})") if r)
-        try:
-            bias_scope = parse_bias_scope(attention_bias_scope or "all")
-        except ValueError as err:
-            raise UsageError(f"attention_bias_scope: {err}") from None
-        if attention_bias and bias_scope.hard is not None and getattr(translator, "difficulty", None) is None:
-            raise UsageError(f"attention_bias_scope {attention_bias_scope!r}: hardF needs a translator with a difficulty "
-                             "table (benchmarks/fit_difficulty.py writes one)")
-        if attention_bias and (bias_scope.kinds or bias_scope.rest_kinds):
-            inner = decoder_of(target_model.model)
-            present = set(layer_types(inner.config, len(inner.layers)))
-            for named in (bias_scope.kinds, bias_scope.rest_kinds):
-                if named and not named & present:
-                    raise UsageError(f"attention_bias_scope {attention_bias_scope!r}: {target_model.name} has no "
-                                     f"{'/'.join(sorted(named))} layers")
+        bias_scope = _bias_scope(attention_bias_scope, bool(attention_bias), translator, target_model)
         if refresh_scoring is None:  # the card's measured scoring (docs/EXPERIMENTS.md E69), else contrast
             refresh_scoring = getattr(translator, "default_refresh_scoring", None) or DEFAULT_SCORING
             if refresh and refresh_scoring != DEFAULT_SCORING:
@@ -782,6 +770,25 @@ def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int,
     if not ids:
         raise UsageError("empty prompt")
     return forward_at(loaded.model, ids, start, cache, bias=bias)
+
+
+def _bias_scope(text: str | None, biased: bool, translator: Any, target: LoadedModel) -> BiasScope:
+    """`attention_bias_scope` parsed (None: "all"), and refused where the bias it scopes could not
+    act as named: hardF without the translator's difficulty table, a layer kind the target lacks."""
+    try:
+        scope = parse_bias_scope(text or "all")
+    except ValueError as err:
+        raise UsageError(f"attention_bias_scope: {err}") from None
+    if biased and scope.hard is not None and getattr(translator, "difficulty", None) is None:
+        raise UsageError(f"attention_bias_scope {text!r}: hardF needs a translator with a difficulty table "
+                         "(benchmarks/fit_difficulty.py writes one)")
+    if biased and (scope.kinds or scope.rest_kinds):
+        inner = decoder_of(target.model)
+        present = set(layer_types(inner.config, len(inner.layers)))
+        for named in (scope.kinds, scope.rest_kinds):
+            if named and not named & present:
+                raise UsageError(f"attention_bias_scope {text!r}: {target.name} has no {'/'.join(sorted(named))} layers")
+    return scope
 
 
 def _has_separator(block: KVBlock, sep: list[int]) -> bool:
