@@ -55,7 +55,7 @@ ENGINE_MODES = ("none", "native", "canonical", "translate", "mot-window", "auto"
 
 
 def parse_mode(spec: str) -> tuple[str, str, Variant, str | None]:
-    """`[LABEL=]MODE[@R|@refreshF][+biasB]` (an engine mode, replay R or refresh F for translate:
+    """`[LABEL=]MODE[@R|@refreshF][+biasB[+SCOPE flags]]` (an engine mode, replay R or refresh F for translate:
     `r2=translate@2`) or `LABEL=DIR[@R|@window|@refreshF][+biasB]` (translate with the artifact in
     DIR, as in `cagkv eval`) -> (label, engine mode, variant, translator dir or None)."""
     label, _, body = spec.partition("=")
@@ -105,7 +105,8 @@ def measure(engine, target: str, mode: str, variant: Variant, document_id: str, 
     replay = variant.replay if variant.replay is not None else (0 if mode == "translate" else None)
     prepared = engine.prepare(QUESTION, target=target, mode=mode, top_k=top_k, document_ids=[document_id],
                               replay=replay, refresh=variant.refresh,
-                              refresh_scoring=variant.refresh_scoring, attention_bias=variant.attention_bias)
+                              refresh_scoring=variant.refresh_scoring, attention_bias=variant.attention_bias,
+                              attention_bias_scope=variant.bias_scope)
     answer = engine.generate(prepared, max_new_tokens=1)
     split = {k: float(answer.timings_ms.get(k) or 0.0) for k in TTFT_KEYS}
     split["ttft"] = split["first_token"]  # the engine measures first_token from the question on

@@ -410,6 +410,29 @@ def test_ttft_benchmark_mode_specs(tmp_path) -> None:
     assert parse_mode("w=translate@window") == ("w", "mot-window", Variant("translate", None, True), None)
 
 
+def test_ttft_benchmark_measures_the_bias_and_its_scope_the_mode_names() -> None:
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from ttft import measure, parse_mode
+
+    class Engine:  # records what the benchmark asks the engine for
+        def prepare(self, question, **kwargs):
+            self.kwargs = kwargs
+            return SimpleNamespace(next_position=7)
+
+        def generate(self, prepared, max_new_tokens):
+            return SimpleNamespace(timings_ms={"first_token": 5.0})
+
+    engine = Engine()
+    _, mode, variant, _ = parse_mode("a=translate@0+bias-0.25+answer4+rest:full")
+    split = measure(engine, "t", mode, variant, "doc", 3)
+    assert engine.kwargs["attention_bias"] == -0.25 and engine.kwargs["attention_bias_scope"] == "answer4,rest:full"
+    assert split["ttft"] == 5.0 and split["context_tokens"] == 7.0
+
+
 def test_ttft_benchmark_rows_per_linear_dtype() -> None:
     import sys
     from pathlib import Path
