@@ -97,8 +97,9 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
     does by default with each: REFRESH, the share of chunk tokens the target recomputes and how
     they are ranked; TABLE, whether a difficulty table ships (needed by the difficulty, contrast_difficulty,
     union and adaptive scorings) and the peakedness at which adaptive switches to contrast;
-    BIAS, the attention bias on the tokens left translated where a refresh runs / at r = 0
-    (":answerK": for the question and the first K answer tokens only).
+    BIAS, the attention bias on the tokens left translated where a refresh runs / at r = 0,
+    with its scope after a colon where it is not every token in every layer (as in
+    ":answer4,rest:full": docs/EXPERIMENTS.md E88e, E93).
 
     Example: cagkv translators list
     """
@@ -112,18 +113,22 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object
     if not rows:
         typer.echo("no translators installed (train one: cagkv train --canonical A --target B)")
         return
+    biases = [
+        "/".join(f"{r[k]:g}" + ("" if r[f"{k}_scope"] == "all" else f":{r[k + '_scope']}")
+                 for k in ("attention_bias", "attention_bias_r0"))
+        for r in rows
+    ]
+    width = max(11, *(len(b) for b in biases))  # a scope such as answer4,rest:full is wider than the rest
     typer.echo(f"{'SOURCE':14} {'TARGET':14} {'E/k':5} {'QUALITY':>8} {'AUTO>=':>6} {'MB':>5}  "
-               f"{'REFRESH':20} {'TABLE':14} {'BIAS':>5} PATH")
-    for r in rows:
+               f"{'REFRESH':20} {'TABLE':14} {'BIAS':{width}} PATH")
+    for r, bias in zip(rows, biases):
         q = "-" if r["quality"] is None else f"{r['quality']:.3f}"
         mb = "-" if not r["size_bytes"] else f"{r['size_bytes'] / 1e6:.1f}"
         ek = f"{r['experts']}/{r['top_k']}"
         refresh = f"{r['default_refresh']:g} {r['default_refresh_scoring']}" if r["default_refresh"] else "0"
         table = f"yes (z {r['peak_z']:g})" if r["difficulty_table"] else "-"
-        bias = "/".join(f"{r[k]:g}" + ("" if r[f"{k}_scope"] == "all" else f":{r[k + '_scope']}")
-                        for k in ("attention_bias", "attention_bias_r0"))
         typer.echo(f"{str(r['source']):14} {str(r['target']):14} {ek:5} {q:>8} {str(r['auto_threshold']):>6} {mb:>5}  "
-                   f"{refresh:20} {table:14} {bias:11} {r['path']}")
+                   f"{refresh:20} {table:14} {bias:{width}} {r['path']}")
 
 
 def register(app: typer.Typer) -> None:
