@@ -83,7 +83,12 @@ def test_refresh_on_the_real_translator(cag):
     off = cag.prepare(QUESTION, target=target, mode="translate", refresh=0)
     assert "default_refresh" in default.mode_reason and default.timings_ms["replay"] > 0
     # and its attention_bias (-0.5, E87) on the tokens the refresh leaves translated; at r = 0 its
-    # attention_bias_r0 (-0.25, E88) on every chunk token
+    # attention_bias_r0 (-0.25, E88) on every chunk token; both for the question and 4 answer tokens
+    # in every layer, the later answer tokens in the full-attention layers (E93, E94)
     assert "attention bias -0.5" in default.mode_reason and default.bias is not None
     assert off.bias.value == -0.25 and "attention_bias_r0" in off.mode_reason
+    for prepared in (default, off):
+        assert "scope answer4,rest:full" in prepared.mode_reason and prepared.bias.kinds is None
+        assert prepared.bias.rest_kinds == {"full_attention"}
+        assert prepared.bias.until == prepared.next_position + len(prepared.prompt_ids) + 4
     assert off.timings_ms["replay"] == 0 and answer_logprob(default, answer) != answer_logprob(off, answer)
