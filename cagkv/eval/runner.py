@@ -273,6 +273,17 @@ class Variant(NamedTuple):
     bias_scope: str | None = None  # None: all, or the card's scope for its own bias; "question": +qbiasB; "answerK"
 
 
+def _scope_word(flag: str, usage: str) -> str:
+    """`flag` where the bias-scope parser takes it as a scope word, else a UsageError saying `usage`."""
+    from cagkv.models.layers import parse_bias_scope
+
+    try:
+        parse_bias_scope(flag)
+    except ValueError:
+        raise UsageError(f"--modes: {usage}, got {flag!r}") from None
+    return flag
+
+
 def _flags(text: str) -> tuple[bool, float | None, str | None]:
     """"shift" / "biasB" / "qbiasB" / "answerK" / "sliding" / "full" / "rest:KIND" flags (each
     after a "+") -> (shift, attention bias or None, its scope: None (every token, or the card's
@@ -289,21 +300,9 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
         elif flag in ("rest:sliding", "rest:full"):
             rest = flag
         elif flag.startswith("hard"):
-            from cagkv.models.layers import parse_bias_scope
-
-            try:
-                parse_bias_scope(flag)
-            except ValueError:
-                raise UsageError(f"--modes: +hardF takes a share in (0, 1], as in +hard0.33, got {flag!r}") from None
-            hard = flag
+            hard = _scope_word(flag, "+hardF takes a share in (0, 1], as in +hard0.33")
         elif flag.startswith("answer"):
-            from cagkv.models.layers import parse_bias_scope
-
-            try:
-                parse_bias_scope(flag)
-            except ValueError:
-                raise UsageError(f"--modes: +answerK takes a count of answer tokens, as in +answer4, got {flag!r}") from None
-            answer = flag
+            answer = _scope_word(flag, "+answerK takes a count of answer tokens, as in +answer4")
         elif flag.startswith(("bias", "qbias")):
             name = "qbias" if flag.startswith("qbias") else "bias"
             try:

@@ -540,10 +540,15 @@ def test_contrast_scoring_measures_a_neutral_prompt_and_refreshes_the_same_share
     assert runs[2] <= runs[1]
 
 
-def test_a_bias_scoped_hard_reaches_the_share_of_the_translated_tokens_the_table_finds_hardest(tmp_path, models):
+def _noise_engine(tmp_path, models) -> tuple[NoiseTranslator, CAG]:
+    """An engine over DOC_A and DOC_B whose every translation is a NoiseTranslator's (no difficulty table yet)."""
     _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
     translator = NoiseTranslator()
-    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    return translator, CAG(base.store, find_translator=lambda src, tgt: translator)
+
+
+def test_a_bias_scoped_hard_reaches_the_share_of_the_translated_tokens_the_table_finds_hardest(tmp_path, models):
+    translator, cag = _noise_engine(tmp_path, models)
     q = "Why did ships pass safely?"
     with pytest.raises(UsageError, match="difficulty table"):  # refused before any work
         cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, attention_bias=-1.0,
@@ -567,9 +572,7 @@ def test_a_bias_scoped_hard_reaches_the_share_of_the_translated_tokens_the_table
 
 
 def test_difficulty_scoring_refreshes_the_tokens_the_translators_table_finds_hardest(tmp_path, models):
-    _, base = make_store(tmp_path, models["llama"], [DOC_A, DOC_B], chunk_tokens=24)
-    translator = NoiseTranslator()
-    cag = CAG(base.store, find_translator=lambda src, tgt: translator)
+    translator, cag = _noise_engine(tmp_path, models)
     q = "Why did ships pass safely?"
     with pytest.raises(UsageError, match="difficulty table"):  # refused before any work
         cag.prepare(q, target=models["qwen2"], mode="translate", top_k=3, refresh=0.25, refresh_scoring="difficulty")
