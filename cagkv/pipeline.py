@@ -600,15 +600,13 @@ class CAG:
         translated move by the block's mean change of its refreshed ones (`cagkv.refresh.shift_translated`;
         measured harmful, E84: kept for the comparison)."""
         from cagkv.models.cache import layer_span
-        from cagkv.refresh import (NEEDS_DIFFICULTY, PEAK_Z, draft_answer, refresh_tokens, score_positions,
-                                   shift_translated, top_positions)
+        from cagkv.refresh import (NEEDS_DIFFICULTY, PEAK_Z, draft_answer, expected_error, refresh_tokens,
+                                   score_positions, shift_translated, token_ids_at, top_positions)
 
         if shift and defer:
             raise ValueError("shift needs the refreshed tokens recomputed before the question (defer=False)")
         placed = list(placed)
-        token_at: dict[int, int] = {}
-        for start, block in placed:
-            token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
+        token_at = token_ids_at(placed)
         candidates = sorted(token_at)
         drafted = draft_answer(target.model, cache, n, prompt_ids, stop_ids=stop_ids) if scoring == "drafted" else []
         expected = None
@@ -616,9 +614,7 @@ class CAG:
             if difficulty is None:
                 raise UsageError(f"refresh scoring {scoring!r} needs a translator with a difficulty table "
                                  "(benchmarks/fit_difficulty.py writes one)")
-            expected = torch.zeros(n)
-            ids = torch.tensor([token_at[p] for p in candidates], dtype=torch.long)
-            expected[torch.tensor(candidates, dtype=torch.long)] = difficulty[ids.clamp_max(len(difficulty) - 1)].float()
+            expected = expected_error(difficulty, token_at, candidates, n)
         mass = score_positions(target.model, cache, n, prompt_ids, neutral_ids, candidates, scoring, drafted, expected,
                                PEAK_Z if peak_z is None else peak_z)
         chosen = top_positions(mass, candidates, fraction)

@@ -245,18 +245,32 @@ def top_positions(mass: torch.Tensor, candidates: Sequence[int], fraction: float
     return sorted(int(p) for p in index[best])
 
 
+def token_ids_at(placed: Iterable[tuple[int, Any]]) -> dict[int, int]:
+    """Absolute position -> token id over placed blocks (start position, KVBlock)."""
+    token_at: dict[int, int] = {}
+    for start, block in placed:
+        token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
+    return token_at
+
+
+def expected_error(difficulty: torch.Tensor, token_at: dict[int, int], positions: Sequence[int], size: int,
+                   fill: float = 0.0) -> torch.Tensor:
+    """`[size]`: the difficulty table's (`[V]`) expected translation error of the token at each of
+    `positions` (ids past the table read its last entry), `fill` everywhere else."""
+    out = torch.full((size,), fill)
+    if positions:
+        ids = torch.tensor([token_at[p] for p in positions], dtype=torch.long)
+        out[torch.as_tensor(list(positions), dtype=torch.long)] = difficulty[ids.clamp_max(len(difficulty) - 1)].float().cpu()
+    return out
+
+
 def hardest_positions(difficulty: torch.Tensor, placed: Iterable[tuple[int, Any]], positions: Sequence[int],
                       fraction: float) -> list[int]:
     """The `fraction` of `positions` (absolute, inside the placed blocks: (start, KVBlock)) whose
     token ids the translator's difficulty table `[V]` ranks hardest (its expected error), sorted."""
-    token_at: dict[int, int] = {}
-    for start, block in placed:
-        token_at.update(zip(range(start, start + block.num_tokens), block.token_ids.tolist()))
     if not positions:
         return []
-    mass = torch.full((max(positions) + 1,), float("-inf"))
-    ids = torch.tensor([token_at[p] for p in positions], dtype=torch.long)
-    mass[torch.as_tensor(list(positions), dtype=torch.long)] = difficulty[ids.clamp_max(len(difficulty) - 1)].float().cpu()
+    mass = expected_error(difficulty, token_ids_at(placed), positions, max(positions) + 1, fill=float("-inf"))
     return top_positions(mass, positions, fraction)
 
 

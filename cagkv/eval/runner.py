@@ -270,7 +270,7 @@ class Variant(NamedTuple):
     refresh_scoring: str | None = None  # how they are chosen (cagkv.refresh.SCORINGS); None: the card's
     refresh_shift: bool = False  # the rest of each block moved by its refreshed tokens' mean change
     attention_bias: float | None = None  # added to the translated tokens' attention logits; None: the card's
-    bias_scope: str | None = None  # None: all, or the card's scope for its own bias; "question": +qbiasB; "answerK"
+    bias_scope: str | None = None  # None: all, or the card's scope for its own bias; else parse_bias_scope's words
 
 
 def _scope_word(flag: str, usage: str) -> str:

@@ -229,9 +229,9 @@ def card_attention_bias(card: dict[str, Any], key: str = "attention_bias") -> fl
 
 
 def card_bias_scope(card: dict[str, Any], key: str) -> str:
-    """The card's scope for its bias `key` (`key + "_scope"`: "all", "question" or "answerK",
-    optionally ",sliding" / ",full": docs/EXPERIMENTS.md E88e, E90) where it names a valid one,
-    else "all"."""
+    """The card's scope for its bias `key` (`key + "_scope"`, in `cagkv.models.layers.parse_bias_scope`'s
+    words, as in "answer4,rest:full": docs/EXPERIMENTS.md E88e, E90, E93) where it names a valid
+    one, else "all"."""
     value = card.get(f"{key}_scope", "all")
     try:
         parse_bias_scope(value if isinstance(value, str) else "")
@@ -327,13 +327,14 @@ class Translator:
 
     @property
     def attention_bias_scope(self) -> str:
-        """Which fed tokens the card's `attention_bias` acts for ("all" where it names none)."""
+        """Where the card's `attention_bias` acts ("all" where it names none; E94)."""
         return card_bias_scope(self.card, "attention_bias")
 
     @property
     def attention_bias_r0_scope(self) -> str:
-        """Which fed tokens the card's `attention_bias_r0` acts for ("all" where it names none;
-        "answer4": the question's and the first 4 answer tokens', E88e)."""
+        """Where the card's `attention_bias_r0` acts ("all" where it names none; "answer4,rest:full":
+        the question's and the first 4 answer tokens' in every layer, the later answer tokens' in
+        the full-attention layers, E93)."""
         return card_bias_scope(self.card, "attention_bias_r0")
 
     @property
