@@ -290,7 +290,8 @@ class CAG:
         "sliding" or "full" keeps it to the layers of that attention kind, and after "question"
         or "answerK" a "rest:sliding" / "rest:full" gives the answer's later tokens the bias in
         those layers (E90; as in "all,sliding", "question,rest:full"); "hardF": on the share F of
-        the translated tokens the translator's difficulty table ranks hardest (E92); None: the
+        the translated tokens the translator's difficulty table ranks hardest (E92); "fitted": scaled
+        in each layer and head by the translator's fitted attention table (E95); None: the
         card's scope for its own bias (`attention_bias_r0_scope` ...), else "all".
         Timings start after the one-time costs (loading models, the embedder and the
         translator), which a long-running process pays once.
@@ -406,7 +407,7 @@ class CAG:
             until = None if bias_scope.answer_tokens is None else n + len(prompt_ids) + bias_scope.answer_tokens
             if left:  # everything refreshed: nothing translated to bias, the model's own forward
                 bias = AttentionBias(torch.tensor(left, dtype=torch.long), attention_bias, until, bias_scope.kinds,
-                                     bias_scope.rest_kinds)
+                                     bias_scope.rest_kinds, translator.attention_fit if bias_scope.fitted else None)
         return Prepared(
             target=target_model,
             mode=mode,
@@ -770,7 +771,8 @@ def _forward(loaded: LoadedModel, ids: Sequence[int], cache: Any, start: int,
 
 def _bias_scope(text: str | None, biased: bool, translator: Any, target: LoadedModel) -> BiasScope:
     """`attention_bias_scope` parsed (None: "all"), and refused where the bias it scopes could not
-    act as named: hardF without the translator's difficulty table, a layer kind the target lacks."""
+    act as named: hardF without the translator's difficulty table, fitted without its fitted
+    attention table (or one of another head count), a layer kind the target lacks."""
     try:
         scope = parse_bias_scope(text or "all")
     except ValueError as err:
@@ -778,6 +780,15 @@ def _bias_scope(text: str | None, biased: bool, translator: Any, target: LoadedM
     if biased and scope.hard is not None and getattr(translator, "difficulty", None) is None:
         raise UsageError(f"attention_bias_scope {text!r}: hardF needs a translator with a difficulty table "
                          "(benchmarks/fit_difficulty.py writes one)")
+    if biased and scope.fitted:
+        table = getattr(translator, "attention_fit", None)
+        heads = target.model.config.num_attention_heads
+        if table is None:
+            raise UsageError(f"attention_bias_scope {text!r}: fitted needs a translator with a fitted attention table "
+                             "(benchmarks/fit_attention_bias.py writes one)")
+        if table.shape[1] != heads:
+            raise UsageError(f"attention_bias_scope {text!r}: the translator's fitted table has {table.shape[1]} heads "
+                             f"per layer, {target.name} {heads}")
     if biased and (scope.kinds or scope.rest_kinds):
         inner = decoder_of(target.model)
         present = set(layer_types(inner.config, len(inner.layers)))

@@ -422,7 +422,7 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
     dtype, device = cache.layers[0].keys.dtype, cache.layers[0].keys.device
     pos = pos.to(device)  # the masks are [Q, K]: built where they are used (a long refresh makes them large)
     queries = torch.cat([pos, (n or 0) + torch.arange(len(appended), device=device)])
-    masks = {}
+    masks: dict[str | int, torch.Tensor] = {}
     for kind in set(types):
         first, total = spans[types.index(kind)]
         held = torch.arange(first, total, device=device)
@@ -430,7 +430,9 @@ def _recompute(model: nn.Module, cache: Any, token_ids: Sequence[int], positions
         stale = torch.cat([torch.isin(held, pos), torch.zeros(len(queries), dtype=torch.bool, device=device)])
         masks[kind] = _mask(key_positions, stale, queries, window if kind == "sliding_attention" else None, dtype)
         if bias is not None and bias.acts_in(kind) and appended:
-            masks[kind][..., len(pos):, :] += bias.matrix(queries[len(pos):], key_positions, kind).to(dtype)
+            extra = torch.zeros_like(masks[kind])
+            extra[..., len(pos):, :] = bias.matrix(queries[len(pos):], key_positions, kind).to(dtype)
+            masks.update(bias.add_to(masks[kind], extra, kind, types))
     hidden = model.get_input_embeddings()(torch.tensor([[*token_ids, *appended]], device=device))
     hidden = run_layers(model, hidden.to(dtype), queries[None], work, 0, masks=masks)
     return work, spans, hidden

@@ -151,7 +151,8 @@ def ask_cmd(
              "sliding or full keeps it to the layers of that attention kind, and rest:sliding / rest:full (after "
              "question or answerK) gives the later answer tokens the bias in that kind's layers, as in "
              "question,rest:full; hardF keeps it to the share F of the translated tokens the translator's "
-             "difficulty table ranks hardest (docs/EXPERIMENTS.md E88e, E90, E92). Default: the translator "
+             "difficulty table ranks hardest; fitted scales it in each layer and head by the translator's "
+             "fitted attention table (docs/EXPERIMENTS.md E88e, E90, E92, E95). Default: the translator "
              "card's scope for its own bias, else all.",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="Answering dtype: float32 or bfloat16."),

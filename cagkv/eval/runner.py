@@ -88,10 +88,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]"
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]" in --modes: a translated row labelled NAME, with
+        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]" in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +99,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted], got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -290,11 +290,14 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
     scope for the card's bias), "question" for qbias, "answerK" for the question's and the first
     K answer tokens', with ",sliding" / ",full" for the layers of that attention kind only and
     ",rest:KIND" for the answer's later tokens in the layers of KIND, ",hardF" for the share F of the
-    translated tokens the difficulty table ranks hardest: cagkv.models.layers.parse_bias_scope)."""
-    shift, bias, scope, answer, layers, rest, hard = False, None, None, None, None, None, None
+    translated tokens the difficulty table ranks hardest, ",fitted" for the bias scaled per layer and
+    head by the translator's fitted table: cagkv.models.layers.parse_bias_scope)."""
+    shift, bias, scope, answer, layers, rest, hard, fitted = False, None, None, None, None, None, None, False
     for flag in text.split("+") if text else []:
         if flag == "shift":
             shift = True
+        elif flag == "fitted":
+            fitted = True
         elif flag in ("sliding", "full"):
             layers = flag
         elif flag in ("rest:sliding", "rest:full"):
@@ -314,7 +317,7 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
             scope = "question" if name == "qbias" else None
         else:
             raise UsageError(f"--modes: flags after + are 'shift', 'biasB', 'qbiasB', 'answerK', 'sliding', 'full' and "
-                             f"'rest:sliding' / 'rest:full' and 'hardF', got {flag!r}")
+                             f"'rest:sliding' / 'rest:full', 'hardF' and 'fitted', got {flag!r}")
     if answer is not None:
         if scope == "question":
             raise UsageError("--modes: +qbiasB is the question only; +answerK goes with +biasB")
@@ -327,11 +330,13 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
         scope = f"{scope},{rest}"
     if hard is not None:
         scope = f"{scope or 'all'},{hard}"
+    if fitted:
+        scope = f"{scope or 'all'},fitted"
     return shift, bias, scope
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]"` -> the Variant it names."""
+    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]"` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
@@ -365,7 +370,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF]` variant runs
+    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""

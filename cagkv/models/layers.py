@@ -9,7 +9,8 @@ embeddings as `hidden` it is the model's forward, which the tests check bit for 
 `forward_at(..., bias=AttentionBias(positions, value, until, kinds))` adds `value` to the
 attention logits of the cached `positions` for the fed tokens before `until`, in every head of
 the layers of the attention `kinds` (None: every layer; a chunk's tokens left translated:
-docs/EXPERIMENTS.md E86, E87, E90).
+docs/EXPERIMENTS.md E86, E87, E90); with a `per_layer` table `[L, H]` each layer's head reads
+`value` times its entry (a bias fitted to native's attention shares, E95).
 
 `inject_kv(cache, {layer: (keys_rotated, values)})` makes the named layers store and
 attend over the given keys/values for the new tokens instead of the ones they compute
@@ -45,6 +46,7 @@ class AttentionBias(NamedTuple):
     until: int | None = None
     kinds: frozenset[str] | None = None
     rest_kinds: frozenset[str] = frozenset()
+    per_layer: torch.Tensor | None = None  # [L, H]: layer i's head h reads value * per_layer[i, h] (E95)
 
     def acts_in(self, kind: str) -> bool:
         """Whether the layers of attention kind `kind` see any of the bias."""
@@ -64,6 +66,19 @@ class AttentionBias(NamedTuple):
             rows = torch.where(before, rows, torch.full_like(rows, float(rest)))
         return rows[:, None] * hit[None, :] * self.value
 
+    def add_to(self, mask: torch.Tensor, extra: torch.Tensor, kind: str, types: list[str]) -> dict[str | int, torch.Tensor]:
+        """The masks of the layers of kind `kind`: `mask` plus `extra` (this bias's additive part,
+        broadcastable to `mask`), as one mask for the kind, or without `per_layer` one per layer
+        index of that kind, `extra` scaled per head by the layer's row."""
+        if self.per_layer is None:
+            return {kind: mask + extra}
+        table = self.per_layer.to(device=mask.device, dtype=mask.dtype)
+        out: dict[str | int, torch.Tensor] = {kind: mask}
+        for i, t in enumerate(types):
+            if t == kind:
+                out[i] = mask + extra * table[i][:, None, None]  # [H, 1, 1]: one value per head
+        return out
+
 
 class BiasScope(NamedTuple):
     """Where an attention bias acts: `answer_tokens` (None: every fed token; K: the question's
@@ -74,6 +89,7 @@ class BiasScope(NamedTuple):
     kinds: frozenset[str] | None = None
     rest_kinds: frozenset[str] = frozenset()
     hard: float | None = None  # the share of the translated tokens the translator's difficulty table ranks hardest
+    fitted: bool = False  # each layer and head scales the bias by the translator's fitted table (E95)
 
 
 _LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}
@@ -86,13 +102,19 @@ def parse_bias_scope(scope: str) -> BiasScope:
     and, with "question" or "answerK", one for the answer's later tokens ("rest:sliding" or
     "rest:full": they read the bias in the layers of that kind), as in "answer4,sliding" or
     "question,rest:full"; "hardF" (0 < F <= 1) keeps the bias to that share of the translated
-    tokens, those the translator's difficulty table ranks hardest (E92). ValueError for anything else."""
+    tokens, those the translator's difficulty table ranks hardest (E92); "fitted" scales the bias in
+    each layer and head by the translator's fitted table (`cagkv.translate.attention_fit`, E95).
+    ValueError for anything else."""
     queries: int | None = None
     kinds: frozenset[str] | None = None
     rest: frozenset[str] | None = None
     hard: float | None = None
+    fitted = False
     seen_queries = False
     for word in scope.split(","):
+        if word == "fitted" and not fitted:
+            fitted = True
+            continue
         if word.startswith("hard") and hard is None:
             try:
                 hard = float(word[len("hard"):])
@@ -114,11 +136,11 @@ def parse_bias_scope(scope: str) -> BiasScope:
             continue
         raise ValueError(f"an attention bias scope is all, question or answerK (K >= 0 answer tokens, as in answer4), "
                          f"optionally with sliding or full and, after question or answerK, rest:sliding or rest:full "
-                         f"(as in answer4,sliding or question,rest:full), got {scope!r}")
+                         f"(as in answer4,sliding or question,rest:full), hardF or fitted, got {scope!r}")
     if rest is not None and queries is None:
         raise ValueError(f"an attention bias scope's rest:KIND names the answer tokens after question or answerK, "
                          f"got {scope!r}")
-    return BiasScope(queries, kinds, rest or frozenset(), hard)
+    return BiasScope(queries, kinds, rest or frozenset(), hard, fitted)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -146,15 +168,16 @@ def _masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cache: An
 
 
 def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, kinds: set[str],
-                 types: list[str], bias: AttentionBias) -> dict[str, torch.Tensor]:
+                 types: list[str], bias: AttentionBias) -> dict[str | int, torch.Tensor]:
     """The model's own causal masks over `cache` (before `hidden` is added to it), made
-    additive, with `bias` added to the columns of its positions; `cache` holds every
-    position from 0 on (a sliding layer may have dropped the oldest: its offset says how many)."""
+    additive, with `bias` added to the columns of its positions (keyed by kind, and by layer
+    index where the bias has a `per_layer` table); `cache` holds every position from 0 on (a
+    sliding layer may have dropped the oldest: its offset says how many)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     kw = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache, "position_ids": positions,
           "allow_is_causal_skip": False}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str | int, torch.Tensor] = {}
     for kind in kinds:
         make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
         mask = make(**kw)
@@ -163,7 +186,10 @@ def biased_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor, cac
                 ~mask, torch.finfo(hidden.dtype).min)
         _, offset = cache.get_mask_sizes(hidden.shape[1], types.index(kind))
         keys = int(offset) + torch.arange(mask.shape[-1], device=mask.device)
-        out[kind] = mask + bias.matrix(positions[0], keys, kind).to(mask.dtype) if bias.acts_in(kind) else mask
+        if bias.acts_in(kind):
+            out.update(bias.add_to(mask, bias.matrix(positions[0], keys, kind).to(mask.dtype), kind, types))
+        else:
+            out[kind] = mask
     return out
 
 
@@ -215,11 +241,12 @@ class _Output(NamedTuple):
 
 def run_layers(
     model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, cache: Any, start: int, stop: int | None = None,
-    masks: dict[str, Any] | None = None,
+    masks: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Layers `start..stop-1` over `hidden` `[B, T, E]` at `positions` `[B, T]`; returns the
     residual stream after them (before the final norm). `cache` receives their K/V.
-    `masks`: an attention mask per layer kind, instead of the causal ones over `cache`."""
+    `masks`: an attention mask per layer kind (and, where given, per layer index), instead of
+    the causal ones over `cache`."""
     inner = decoder_of(model)
     config = inner.config
     n = len(inner.layers)
@@ -235,7 +262,7 @@ def run_layers(
     rope = _rotary(inner, hidden, positions, kinds)
     for i in range(start, stop):
         hidden = inner.layers[i](
-            hidden, attention_mask=masks[types[i]], position_embeddings=rope[types[i]],
+            hidden, attention_mask=masks.get(i, masks[types[i]]), position_embeddings=rope[types[i]],
             position_ids=positions, cache=cache, use_cache=True,
         )
     return hidden

@@ -361,6 +361,17 @@ class Translator:
         return self._kv_bias
 
     @property
+    def attention_fit(self) -> torch.Tensor | None:
+        """An attention bias table `[L, H]` (target layers by query heads) fitted to native's
+        attention shares, which the bias scope word "fitted" scales a bias by; read once from the
+        artifact's `attention_bias_fit.safetensors` (`cagkv.translate.attention_fit`); None without one."""
+        if not hasattr(self, "_attention_fit"):
+            from cagkv.translate.attention_fit import load_attention_fit
+
+            self._attention_fit = load_attention_fit(self.path, self.model.cfg.tgt_layers) if self.path else None
+        return self._attention_fit
+
+    @property
     def peak_z(self) -> float:
         """Where "adaptive" refresh scoring switches to contrast (`cagkv.refresh.peakedness`):
         the threshold the card's difficulty record names, tuned for this target on held-out

@@ -39,10 +39,15 @@ def _reference(model, cache, n: int, ids: list[int], bias: AttentionBias) -> tor
         early = bias.kinds is None or kind in bias.kinds
         return (before & early) | (~before & (kind in bias.rest_kinds))
 
-    masks = {kind: _mask(keys, torch.zeros(len(keys), dtype=torch.bool), queries,
-                         window if kind == "sliding_attention" else None, torch.float32)
-             + bias.value * rows(kind).float()[:, None] * torch.isin(keys, bias.positions).float()[None, :]
-             for kind in set(types)}
+    def mask(kind: str, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        return (_mask(keys, torch.zeros(len(keys), dtype=torch.bool), queries,
+                      window if kind == "sliding_attention" else None, torch.float32)
+                + bias.value * torch.as_tensor(scale).reshape(-1, 1, 1)
+                * rows(kind).float()[:, None] * torch.isin(keys, bias.positions).float()[None, :])
+
+    masks: dict = {kind: mask(kind) for kind in set(types)}
+    if bias.per_layer is not None:  # one mask per layer, each head's bias scaled by its entry
+        masks.update({i: mask(kind, bias.per_layer[i]) for i, kind in enumerate(types)})
     with torch.no_grad():
         hidden = run_layers(model, model.get_input_embeddings()(torch.tensor([ids])), queries[None],
                             copy.deepcopy(cache), 0, masks=masks)
@@ -156,13 +161,59 @@ def test_bias_scope_parser_reads_the_queries_and_the_layers_and_refuses_the_rest
     assert parse_bias_scope("question,rest:full") == BiasScope(0, None, frozenset({"full_attention"}))
     assert parse_bias_scope("hard0.33") == BiasScope(None, None, frozenset(), 0.33)
     assert parse_bias_scope("question,hard1").hard == 1.0
+    assert parse_bias_scope("fitted") == BiasScope(None, None, frozenset(), None, True)
+    assert parse_bias_scope("answer4,rest:full,fitted").fitted and not parse_bias_scope("answer4").fitted
     for bad_share in ("hard0", "hard1.5", "hardx", "hard"):
         with pytest.raises(ValueError, match="share in"):
             parse_bias_scope(bad_share)
     for bad in ("", "answer", "answer-1", "answers4", "All", "all,question", "sliding,full", "all,", "all, sliding",
-                "question,rest:full,rest:sliding", "question,rest:", "question,rest:all"):
+                "question,rest:full,rest:sliding", "question,rest:", "question,rest:all", "fitted,fitted", "fit"):
         with pytest.raises(ValueError, match="all, question or answerK"):
             parse_bias_scope(bad)
     for needs_queries in ("rest:full", "all,rest:full", "sliding,rest:sliding"):
         with pytest.raises(ValueError, match="after question or answerK"):
             parse_bias_scope(needs_queries)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
+def test_a_per_layer_table_scales_the_bias_in_each_layer_and_head(family: str) -> None:
+    lm = tiny(family)
+    heads = lm.config.num_attention_heads
+    ids = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(4))
+    fed = ids[0, 20:].tolist()
+    every = _cache(lm.model, ids[:, :20], full_cache)
+    table = torch.randn(len(decoder_of(lm.model).layers), heads, generator=torch.Generator().manual_seed(5))
+    bias = AttentionBias(BIASED, 0.7, 22, None, frozenset({"full_attention"}), table)
+    with torch.no_grad():
+        got = forward_at(lm.model, fed, 20, _cache(lm.model, ids[:, :20], lambda: DynamicCache(config=lm.config)),
+                         keep=0, bias=bias).logits[0]
+        ones = forward_at(lm.model, fed, 20, copy.deepcopy(every), keep=0,
+                          bias=bias._replace(per_layer=torch.ones_like(table))).logits[0]
+    torch.testing.assert_close(got, _reference(lm.model, every, 20, fed, bias), atol=1e-4, rtol=1e-4)
+    # a table of ones is the plain bias; any other table differs from it
+    torch.testing.assert_close(ones, _reference(lm.model, every, 20, fed, bias._replace(per_layer=None)),
+                               atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, ones, atol=1e-3)
+
+
+def test_feed_scales_the_prompts_bias_per_layer_where_it_recomputes_entries_too() -> None:
+    lm = tiny("llama")
+    ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(6))
+    stale = {p: int(ids[0, p]) for p in (4, 9, 15)}
+    cache = _cache(lm.model, ids[:, :20], full_cache)
+    for layer in cache.layers:
+        layer.keys[:, :, sorted(stale)] = 0
+        layer.values[:, :, sorted(stale)] = 0
+    table = torch.randn(len(decoder_of(lm.model).layers), lm.config.num_attention_heads,
+                        generator=torch.Generator().manual_seed(7))
+    bias = AttentionBias(BIASED, -0.5, per_layer=table)
+    prompt = ids[0, 20:].tolist()
+    _, got = feed(lm.model, copy.deepcopy(cache), 20, prompt, stale, keep=0, bias=bias)
+    first = copy.deepcopy(cache)
+    with torch.no_grad():
+        refresh_tokens(lm.model, first, list(stale.values()), sorted(stale))
+        want = forward_at(lm.model, prompt, 20, first, keep=0, bias=bias).logits[0]
+        plain = forward_at(lm.model, prompt, 20, copy.deepcopy(first), keep=0,
+                           bias=bias._replace(per_layer=None)).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, plain, atol=1e-3)

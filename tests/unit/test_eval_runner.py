@@ -411,7 +411,9 @@ def test_variant_spec_names_artifact_replay_window_refresh_or_a_bias():
     assert variant_spec("/a/b@0+bias-1+hard0.33").bias_scope == "all,hard0.33"
     assert variant_spec("/a/b@0+qbias1+hard0.5").bias_scope == "question,hard0.5"
     assert variant_spec("/a/b@0+bias-0.25+answer2+rest:sliding").bias_scope == "answer2,rest:sliding"
-    for bad in ("/a@0+bias1+answer", "/a@0+bias1+answer-1", "/a@0+bias1+slide", "/a@0+bias1+rest:full", "/a@0+rest:full", "/a@0+bias1+hard2", "/a@0+bias1+answerx", "/a@0+qbias1+answer2", "/a@0+qbias", "/a@refresh0.2+loud", "/a@2+shift", "/a@window+bias0.5", "/a@0+bias", "/a@0+biasx", "/a@0+biasnan", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
+    assert variant_spec("/a/b@0+bias1+fitted").bias_scope == "all,fitted"
+    assert variant_spec("/a/b@0+bias0.5+answer4+fitted").bias_scope == "answer4,fitted"
+    for bad in ("/a@0+bias1+answer", "/a@0+bias1+answer-1", "/a@0+bias1+slide", "/a@0+bias1+rest:full", "/a@0+rest:full", "/a@0+bias1+hard2", "/a@0+bias1+answerx", "/a@0+bias1+fit", "/a@0+qbias1+answer2", "/a@0+qbias", "/a@refresh0.2+loud", "/a@2+shift", "/a@window+bias0.5", "/a@0+bias", "/a@0+biasx", "/a@0+biasnan", "/a@x", "@-1", "/a@refresh", "/a@refresh1.5", "/a@refresh0", "/a@refresh0.3:loud", "/a@refresh:contrast"):
         with pytest.raises(UsageError, match="--modes"):
             variant_spec(bad)
 

@@ -571,6 +571,24 @@ def test_a_bias_scoped_hard_reaches_the_share_of_the_translated_tokens_the_table
     assert min(expected[p] for p in kept) >= max(expected[p] for p in translated if p not in kept)
 
 
+def test_a_bias_scoped_fitted_carries_the_translators_table_and_is_refused_without_one(tmp_path, models):
+    translator, cag = _noise_engine(tmp_path, models)
+    q = "Why did ships pass safely?"
+    ask = dict(target=models["qwen2"], mode="translate", top_k=3, attention_bias=0.5)
+    translator.attention_fit = None
+    with pytest.raises(UsageError, match="fitted attention table"):
+        cag.prepare(q, attention_bias_scope="fitted", **ask)
+    config = cag.model(models["qwen2"]).model.config
+    translator.attention_fit = torch.ones(config.num_hidden_layers, config.num_attention_heads + 1)
+    with pytest.raises(UsageError, match="heads"):
+        cag.prepare(q, attention_bias_scope="answer2,fitted", **ask)
+    assert translator.calls == 0  # refused before any work
+    translator.attention_fit = torch.randn(config.num_hidden_layers, config.num_attention_heads)
+    fitted = cag.prepare(q, attention_bias_scope="answer2,fitted", **ask)
+    assert fitted.bias.per_layer is translator.attention_fit and fitted.bias.value == 0.5
+    assert cag.prepare(q, **ask).bias.per_layer is None
+
+
 def test_difficulty_scoring_refreshes_the_tokens_the_translators_table_finds_hardest(tmp_path, models):
     translator, cag = _noise_engine(tmp_path, models)
     q = "Why did ships pass safely?"
