@@ -8,10 +8,12 @@ for token. a = 0 is the plain answer (the probe checks it against the engine's o
 `generate`). Per a: token F1 against the gold answer and against native's plain answer, and
 the gold answer's mean log-prob under the combined distribution; recoveries and paired
 differences against a = 0 as `cagkv eval` computes them (docs/EXPERIMENTS.md E96).
+`--summarize FILE...` recomputes the summary over the rows of several runs (the halves below).
 
 Example (E96, the first 60 questions of the SQuAD draw, in two halves at once):
     CAGKV_LINEAR_DTYPE=float32 python benchmarks/context_contrast_probe.py --target qwen2.5-0.5b \\
-        --stop 30 --alphas 0.25,0.5,1 --out /tmp/cad_1.json
+        --stop 30 --alphas 0.5,1 --out /tmp/cad_1.json   # and --start 30 --stop 60 --out /tmp/cad_2.json
+    python benchmarks/context_contrast_probe.py --target qwen2.5-0.5b --summarize /tmp/cad_1.json /tmp/cad_2.json --out /tmp/cad.json
 """
 
 from __future__ import annotations
@@ -80,6 +82,34 @@ def contrast_answer(ctx: Prepared, plain: Prepared, alpha: float, max_new_tokens
     return answer_span(text.strip())
 
 
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Recoveries, agreement with native's plain answer and paired differences against a = 0, printed and returned."""
+    labels = {k for r in rows for k in r if "@" in k and not k.endswith(":logprob")}
+    keys = sorted(labels, key=lambda k: (not k.startswith("native"), float(k.split("@")[1])))
+    f1 = token_f1  # the best over the gold answers, as cagkv eval scores
+    none_f1 = [f1(r["none"], r["gold"]) for r in rows]
+    native_f1 = [f1(r["native@0"], r["gold"]) for r in rows]
+    none_lp = [r["none:logprob"] for r in rows]
+    native_lp = [r["native@0:logprob"] for r in rows]
+    summary: dict[str, Any] = {"engine_agrees": sum(r["engine_translated"] == r["translated@0"] for r in rows)}
+    print(f"n = {len(rows)}; a = 0 equals the engine's "
+          f"answer on {summary['engine_agrees']} of {len(rows)}")
+    for key in keys:
+        col_f1 = [f1(r[key], r["gold"]) for r in rows]
+        col_lp = [r[key + ":logprob"] for r in rows]
+        base = "native@0" if key.startswith("native") else "translated@0"
+        rec_f1, rec_lp = recovery(col_f1, none_f1, native_f1), recovery(col_lp, none_lp, native_lp)
+        d_f1 = recovery_difference(col_f1, [f1(r[base], r["gold"]) for r in rows], none_f1, native_f1)
+        d_lp = recovery_difference(col_lp, [r[base + ":logprob"] for r in rows], none_lp, native_lp)
+        agree = sum(token_f1(r[key], [r["native@0"]]) for r in rows) / len(rows)
+        summary[key] = {"f1_recovery": rec_f1.value, "logprob_recovery": rec_lp.value, "agreement": agree,
+                        "f1_vs_base": [d_f1.value, d_f1.lo, d_f1.hi], "logprob_vs_base": [d_lp.value, d_lp.lo, d_lp.hi]}
+        print(f"  {key:16s} F1 rec {100 * rec_f1.value:6.1f} %  log-prob rec {100 * rec_lp.value:6.1f} %  "
+              f"agreement {agree:.3f}  vs {base}: F1 {100 * d_f1.value:+.1f} [{100 * d_f1.lo:+.1f}, {100 * d_f1.hi:+.1f}]"
+              f"  log-prob {100 * d_lp.value:+.1f} [{100 * d_lp.lo:+.1f}, {100 * d_lp.hi:+.1f}]")
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
@@ -93,7 +123,12 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="per-question rows and the summary as JSON")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--summarize", nargs="*", default=None, help="summarize the rows of these --out files (no run)")
     args = ap.parse_args()
+    if args.summarize is not None:
+        rows = [r for f in args.summarize for r in json.loads(Path(f).read_text())["rows"]]
+        Path(args.out).write_text(json.dumps({"files": args.summarize, "summary": summarize(rows)}, indent=1) + "\n")
+        return
     torch.set_num_threads(args.threads)
     alphas = [float(a) for a in args.alphas.split(",") if a.strip()]
     native_alphas = [float(a) for a in args.native_alphas.split(",") if a.strip()]
@@ -124,28 +159,7 @@ def main() -> None:
             row["gold"] = gold
             rows.append(row)
 
-    f1 = token_f1
-    keys = [f"native@{a:g}" for a in [0.0, *native_alphas]] + [f"translated@{a:g}" for a in [0.0, *alphas]]
-    none_f1 = [f1(r["none"], r["gold"]) for r in rows]
-    native_f1 = [f1(r["native@0"], r["gold"]) for r in rows]
-    none_lp = [r["none:logprob"] for r in rows]
-    native_lp = [r["native@0:logprob"] for r in rows]
-    summary: dict[str, Any] = {"engine_agrees": sum(r["engine_translated"] == r["translated@0"] for r in rows)}
-    print(f"n = {len(rows)} (questions {args.start + 1}-{args.start + len(rows)}); a = 0 equals the engine's "
-          f"answer on {summary['engine_agrees']} of {len(rows)}")
-    for key in keys:
-        col_f1 = [f1(r[key], r["gold"]) for r in rows]
-        col_lp = [r[key + ":logprob"] for r in rows]
-        base = "native@0" if key.startswith("native") else "translated@0"
-        rec_f1, rec_lp = recovery(col_f1, none_f1, native_f1), recovery(col_lp, none_lp, native_lp)
-        d_f1 = recovery_difference(col_f1, [f1(r[base], r["gold"]) for r in rows], none_f1, native_f1)
-        d_lp = recovery_difference(col_lp, [r[base + ":logprob"] for r in rows], none_lp, native_lp)
-        agree = sum(token_f1(r[key], [r["native@0"]]) for r in rows) / len(rows)
-        summary[key] = {"f1_recovery": rec_f1.value, "logprob_recovery": rec_lp.value, "agreement": agree,
-                        "f1_vs_base": [d_f1.value, d_f1.lo, d_f1.hi], "logprob_vs_base": [d_lp.value, d_lp.lo, d_lp.hi]}
-        print(f"  {key:16s} F1 rec {100 * rec_f1.value:6.1f} %  log-prob rec {100 * rec_lp.value:6.1f} %  "
-              f"agreement {agree:.3f}  vs {base}: F1 {100 * d_f1.value:+.1f} [{100 * d_f1.lo:+.1f}, {100 * d_f1.hi:+.1f}]"
-              f"  log-prob {100 * d_lp.value:+.1f} [{100 * d_lp.lo:+.1f}, {100 * d_lp.hi:+.1f}]")
+    summary = summarize(rows)
     Path(args.out).write_text(json.dumps({"target": args.target, "canonical": args.canonical,
                                           "questions": [args.start, args.start + len(rows)],
                                           "summary": summary, "rows": rows}, indent=1) + "\n")
