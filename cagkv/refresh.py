@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,7 +28,8 @@ import torch
 from torch import nn
 
 from cagkv.models.cache import full_copy, layer_span
-from cagkv.models.layers import AttentionBias, decoder_of, forward_at, head_logits, layer_types, run_layers
+from cagkv.models.layers import (AttentionBias, decoder_of, eager_attention, forward_at, head_logits, layer_types,
+                                 run_layers)
 
 __all__ = ["SCORINGS", "NEEDS_DIFFICULTY", "DEFAULT_SCORING", "PEAK_Z", "POOL_WIDTH", "DRAFT_TOKENS", "prompt_attention", "question_attention",
            "contrast", "pool", "union_rank", "peakedness", "draft_answer", "score_positions", "top_positions", "refresh_tokens", "shift_translated", "feed"]
@@ -55,7 +55,6 @@ DEFAULT_SCORING = "contrast"  # measured: E43
 PEAK_Z = 42.0
 POOL_WIDTH = 5  # SnapKV's default pooling kernel
 DRAFT_TOKENS = 8  # the drafted answer's length for "drafted"
-_EAGER_SWITCH = threading.Lock()
 # `shift_translated` leaves a block as it is when fewer of its tokens were refreshed than this:
 # the mean change of a handful of tokens is mostly their own noise
 MIN_SHIFT_TOKENS = 8
@@ -82,17 +81,10 @@ def prompt_attention(model: nn.Module, cache: Any, n: int, prompts: Sequence[Seq
     if len(prompts) > 1:
         work.batch_repeat_interleave(len(prompts))
     positions = (n + torch.arange(width, device=device)).unsqueeze(0).expand(len(prompts), -1)
-    # one switch at a time: two threads sharing a model must not restore each other's setting
-    # mid-pass (a forward of another thread meanwhile runs eager: slower, same result)
-    with _EAGER_SWITCH:
-        before = model.config._attn_implementation
-        model.set_attn_implementation("eager")
-        try:
-            # the decoder only: the LM head (a 262k vocabulary on Gemma-3) would double this pass's time
-            out = decoder_of(model)(input_ids=ids, cache=work, position_ids=positions, use_cache=True,
-                                    output_attentions=True)
-        finally:
-            model.set_attn_implementation(before)
+    with eager_attention(model):
+        # the decoder only: the LM head (a 262k vocabulary on Gemma-3) would double this pass's time
+        out = decoder_of(model)(input_ids=ids, cache=work, position_ids=positions, use_cache=True,
+                                output_attentions=True)
     mass = torch.zeros(len(prompts), n, device=device)
     for weights in out.attentions:  # [P, H, Q, K]: K = what the layer holds (a sliding layer may hold fewer) + Q
         held_count = weights.shape[-1] - width

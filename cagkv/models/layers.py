@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 __all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at", "AttentionBias", "head_logits",
-           "biased_masks", "BiasScope", "parse_bias_scope"]
+           "biased_masks", "BiasScope", "parse_bias_scope", "eager_attention"]
 
 
 class AttentionBias(NamedTuple):
@@ -141,6 +142,24 @@ def parse_bias_scope(scope: str) -> BiasScope:
         raise ValueError(f"an attention bias scope's rest:KIND names the answer tokens after question or answerK, "
                          f"got {scope!r}")
     return BiasScope(queries, kinds, rest or frozenset(), hard, fitted)
+
+
+_EAGER_SWITCH = threading.Lock()
+
+
+@contextmanager
+def eager_attention(model: nn.Module) -> Iterator[None]:
+    """While active, `model` runs eager attention (the only implementation that returns the
+    attention weights); its own is restored after. One switch at a time: two threads sharing a
+    model must not restore each other's setting mid-pass (a forward of another thread meanwhile
+    runs eager: slower, same result)."""
+    with _EAGER_SWITCH:
+        before = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(before)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from cagkv.errors import TranslatorError
-from cagkv.models.layers import AttentionBias, decoder_of, forward_at
+from cagkv.models.layers import AttentionBias, decoder_of, eager_attention, forward_at
 
 __all__ = ["ATTENTION_FIT_FILE", "Fed", "FitCase", "chunk_shares", "fit_attention_bias", "save_attention_fit",
            "load_attention_fit"]
@@ -67,8 +67,6 @@ def chunk_shares(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]
     prompt's own) that the prompt's tokens, fed after the `n` cached ones, give `positions`:
     the mean over the prompt's last `last` tokens (None: all). `cache` is not changed; `bias`
     acts as in the engine. Runs eager attention for this pass (the only kind that returns the weights)."""
-    from cagkv.refresh import _EAGER_SWITCH
-
     layers = decoder_of(model).layers
     weights: dict[int, torch.Tensor] = {}
 
@@ -78,15 +76,12 @@ def chunk_shares(model: nn.Module, cache: Any, n: int, prompt_ids: Sequence[int]
         return hook
 
     handles = [layer.self_attn.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
-    with _EAGER_SWITCH:
-        before = model.config._attn_implementation
-        model.set_attn_implementation("eager")
-        try:
+    try:
+        with eager_attention(model):
             forward_at(model, list(prompt_ids), n, copy.deepcopy(cache), keep=1, bias=bias)
-        finally:
-            model.set_attn_implementation(before)
-            for handle in handles:
-                handle.remove()
+    finally:
+        for handle in handles:
+            handle.remove()
     if len(weights) != len(layers) or any(w is None for w in weights.values()):
         raise RuntimeError("the attention layers did not return their weights under eager attention")
     q = len(prompt_ids)
