@@ -8,7 +8,9 @@ for token. a = 0 is the plain answer (the probe checks it against the engine's o
 `generate`). Per a: token F1 against the gold answer and against native's plain answer, and
 the gold answer's mean log-prob under the combined distribution; recoveries and paired
 differences against a = 0 as `cagkv eval` computes them (docs/EXPERIMENTS.md E96).
-`--summarize FILE...` recomputes the summary over the rows of several runs (the halves below).
+`--summarize FILE...` recomputes the summary over the rows of several runs (the halves below);
+`--reuse RESULTS.json` takes the a = 0 answers and log-probs from a `cagkv eval` run over the same
+questions (its none / native / r = 0 rows), so only a > 0 is decoded.
 
 Example (E96, the first 60 questions of the SQuAD draw, in two halves at once):
     CAGKV_LINEAR_DTYPE=float32 python benchmarks/context_contrast_probe.py --target qwen2.5-0.5b \\
@@ -91,9 +93,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     native_f1 = [f1(r["native@0"], r["gold"]) for r in rows]
     none_lp = [r["none:logprob"] for r in rows]
     native_lp = [r["native@0:logprob"] for r in rows]
-    summary: dict[str, Any] = {"engine_agrees": sum(r["engine_translated"] == r["translated@0"] for r in rows)}
-    print(f"n = {len(rows)}; a = 0 equals the engine's "
-          f"answer on {summary['engine_agrees']} of {len(rows)}")
+    checked = [r for r in rows if "engine_translated" in r]  # not where a = 0 came from an eval run
+    summary: dict[str, Any] = {"engine_agrees": sum(r["engine_translated"] == r["translated@0"] for r in checked),
+                               "engine_checked": len(checked)}
+    print(f"n = {len(rows)}; a = 0 equals the engine's answer on {summary['engine_agrees']} of {len(checked)} checked")
     for key in keys:
         col_f1 = [f1(r[key], r["gold"]) for r in rows]
         col_lp = [r[key + ":logprob"] for r in rows]
@@ -124,6 +127,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--summarize", nargs="*", default=None, help="summarize the rows of these --out files (no run)")
+    ap.add_argument("--reuse", default="", help="a `cagkv eval` results JSON over the same questions: its rows give "
+                    "the a = 0 answers and log-probs (none, native, translated), so only a > 0 is decoded here")
+    ap.add_argument("--reuse-labels", default="none,native,e23", help="its mode labels for none, native and r = 0")
     args = ap.parse_args()
     if args.summarize is not None:
         rows = [r for f in args.summarize for r in json.loads(Path(f).read_text())["rows"]]
@@ -135,6 +141,13 @@ def main() -> None:
 
     config = EvalConfig(dataset=args.dataset, canonical=args.canonical, target=args.target)
     examples = load_dataset(args.dataset, limit=args.stop, seed=0)[args.start : args.stop]
+    reused: dict[tuple[str, str], dict[str, Any]] = {}
+    if args.reuse:
+        labels = dict(zip(("none", "native@0", "translated@0"), args.reuse_labels.split(",")))
+        wanted = {v: k for k, v in labels.items()}
+        reused = {(r["id"], wanted[r["mode"]]): r for r in json.loads(Path(args.reuse).read_text())["examples"]
+                  if r.get("mode") in wanted}
+        native_alphas = []
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         store = default_store_factory(config)(Path(tmp) / "store")
@@ -143,20 +156,27 @@ def main() -> None:
         for example, document in tqdm(list(zip(examples, documents)), desc="questions", disable=args.no_progress):
             ask = dict(target=args.target, document_ids=[document], top_k=1)
             plain = engine.prepare(example.question, mode="none", **ask)
-            native = engine.prepare(example.question, mode="native", **ask)
             translated = engine.prepare(example.question, mode="translate", replay=0, refresh=0.0, **ask)
             gold = example.answers
-            row: dict[str, Any] = {"id": example.id, "none": contrast_answer(plain, plain, 0.0, args.max_new_tokens)}
-            for name, prepared, grid in (("native", native, [0.0, *native_alphas]), ("translated", translated, [0.0, *alphas])):
+            row: dict[str, Any] = {"id": example.id, "gold": gold}
+            if reused:
+                for key in ("none", "native@0", "translated@0"):
+                    got = reused[(example.id, key)]
+                    row[key], row[key + ":logprob"] = got["prediction"], got["answer_logprob"]
+                grids = [("translated", translated, alphas)]
+            else:
+                native = engine.prepare(example.question, mode="native", **ask)
+                row["none"] = contrast_answer(plain, plain, 0.0, args.max_new_tokens)
+                row["none:logprob"] = gold_logprob(plain, plain, gold[0], 0.0)
+                row["engine_translated"] = answer_span(engine.generate(
+                    engine.prepare(example.question, mode="translate", replay=0, refresh=0.0, **ask),
+                    max_new_tokens=args.max_new_tokens).text)
+                grids = [("native", native, [0.0, *native_alphas]), ("translated", translated, [0.0, *alphas])]
+            for name, prepared, grid in grids:
                 for a in grid:
                     key = f"{name}@{a:g}"
                     row[key] = contrast_answer(prepared, plain, a, args.max_new_tokens)
                     row[key + ":logprob"] = gold_logprob(prepared, plain, gold[0], a)
-            row["none:logprob"] = gold_logprob(plain, plain, gold[0], 0.0)
-            row["engine_translated"] = answer_span(engine.generate(
-                engine.prepare(example.question, mode="translate", replay=0, refresh=0.0, **ask),
-                max_new_tokens=args.max_new_tokens).text)
-            row["gold"] = gold
             rows.append(row)
 
     summary = summarize(rows)
