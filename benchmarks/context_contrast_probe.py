@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset
-from cagkv.eval.metrics import answer_span, recovery, recovery_difference, token_f1
+from cagkv.eval.metrics import _gap_ratio, _paired_bootstrap, answer_span, recovery, recovery_difference, token_f1
 from cagkv.eval.runner import EvalConfig, answer_ids, default_store_factory, ingest_contexts
 from cagkv.pipeline import CAG, Prepared
 from cagkv.refresh import feed
@@ -110,6 +110,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         print(f"  {key:16s} F1 rec {100 * rec_f1.value:6.1f} %  log-prob rec {100 * rec_lp.value:6.1f} %  "
               f"agreement {agree:.3f}  vs {base}: F1 {100 * d_f1.value:+.1f} [{100 * d_f1.lo:+.1f}, {100 * d_f1.hi:+.1f}]"
               f"  log-prob {100 * d_lp.value:+.1f} [{100 * d_lp.lo:+.1f}, {100 * d_lp.hi:+.1f}]")
+    for key in keys:  # like for like: the translation at a against native at the same a
+        a = key.split("@")[1]
+        if key.startswith("translated") and a != "0" and f"native@{a}" in labels:
+            cols = [[f1(r[k], r["gold"]) for r in rows] for k in (key, f"native@{a}", "translated@0", "native@0")]
+            diff = _paired_bootstrap([*cols, none_f1], lambda m: _gap_ratio(m[0] - m[4], m[1] - m[4])
+                                     - _gap_ratio(m[2] - m[4], m[3] - m[4]), 2000, 0, 0.95)
+            summary[f"like_for_like@{a}"] = [diff.value, diff.lo, diff.hi]
+            print(f"  F1 recovery of the translation against native both at a = {a}, minus the same at a = 0: "
+                  f"{100 * diff.value:+.1f} [{100 * diff.lo:+.1f}, {100 * diff.hi:+.1f}]")
     return summary
 
 
@@ -129,6 +138,7 @@ def main() -> None:
     ap.add_argument("--summarize", nargs="*", default=None, help="summarize the rows of these --out files (no run)")
     ap.add_argument("--reuse", default="", help="a `cagkv eval` results JSON over the same questions: its rows give "
                     "the a = 0 answers and log-probs (none, native, translated), so only a > 0 is decoded here")
+    ap.add_argument("--no-engine-check", action="store_true", help="skip checking a = 0 against the engine's generate")
     ap.add_argument("--reuse-labels", default="none,native,e23", help="its mode labels for none, native and r = 0")
     args = ap.parse_args()
     if args.summarize is not None:
@@ -168,9 +178,10 @@ def main() -> None:
                 native = engine.prepare(example.question, mode="native", **ask)
                 row["none"] = contrast_answer(plain, plain, 0.0, args.max_new_tokens)
                 row["none:logprob"] = gold_logprob(plain, plain, gold[0], 0.0)
-                row["engine_translated"] = answer_span(engine.generate(
-                    engine.prepare(example.question, mode="translate", replay=0, refresh=0.0, **ask),
-                    max_new_tokens=args.max_new_tokens).text)
+                if not args.no_engine_check:
+                    row["engine_translated"] = answer_span(engine.generate(
+                        engine.prepare(example.question, mode="translate", replay=0, refresh=0.0, **ask),
+                        max_new_tokens=args.max_new_tokens).text)
                 grids = [("native", native, [0.0, *native_alphas]), ("translated", translated, [0.0, *alphas])]
             for name, prepared, grid in grids:
                 for a in grid:
