@@ -24,7 +24,9 @@ def eval_command(
     canonical: str = typer.Option("smollm2-135m", "--canonical", help="Model that prefills contexts."),
     target: str = typer.Option(None, "--target", help="Model that answers (default: canonical)."),
     modes: str = typer.Option("none,native,canonical", "--modes",
-                              help="Comma-separated modes: none, native, canonical, translate, ..."),
+                              help="Comma-separated modes: none, native, canonical, translate, mot-window, auto, or "
+                                   "NAME=[DIR][@R|@window|@refreshF[:SCORING]][+biasB...] for a translated variant "
+                                   "(the full syntax: cagkv.eval.runner.VARIANT_SYNTAX, docs/ARCHITECTURE.md)."),
     retrieval: str = typer.Option("oracle", "--retrieval",
                                   help="oracle: the example's own context; open: all ingested contexts."),
     top_k: int = typer.Option(3, "--top-k", help="Chunks retrieved per question."),

@@ -55,6 +55,10 @@ TTFT_KEYS = TIMING_KEYS[:-1]  # every phase up to the first token
 BASELINES = ("none", "native")
 
 
+# a translated eval mode, "NAME=" + this in --modes (`variant_spec` reads it)
+VARIANT_SYNTAX = "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]"
+
+
 @dataclass
 class EvalConfig:
     """Everything that decides an evaluation's numbers (and where they go)."""
@@ -88,10 +92,10 @@ class EvalConfig:
     command: str | None = None
     shard: tuple[int, int] | None = None  # (K, N): only every N-th example from the K-th (1-based)
 
-    variants: dict[str, str] = field(default_factory=dict)  # label -> "[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]"
+    variants: dict[str, str] = field(default_factory=dict)  # label -> a spec in VARIANT_SYNTAX
 
     def __post_init__(self) -> None:
-        # "NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]" in --modes: a translated row labelled NAME, with
+        # "NAME=" + VARIANT_SYNTAX in --modes: a translated row labelled NAME, with
         # the artifact at PATH (default: the installed translator), replay R, mot-window, or
         # translate with the question's share F of the chunk tokens recomputed
         labels = []
@@ -99,7 +103,7 @@ class EvalConfig:
             label, sep, spec = mode.partition("=")
             if sep:
                 if not label or not spec:
-                    raise UsageError(f"--modes: expected NAME=[TRANSLATOR_DIR][@REPLAY|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted], got {mode!r}")
+                    raise UsageError(f"--modes: expected NAME={VARIANT_SYNTAX}, got {mode!r}")
                 variant_spec(spec)  # fails early on a bad spec
                 self.variants[label] = spec
             labels.append(label)
@@ -336,7 +340,7 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
 
 
 def variant_spec(spec: str) -> Variant:
-    """`"[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]"` -> the Variant it names."""
+    """A spec in `VARIANT_SYNTAX` -> the Variant it names."""
     path, sep, mod = spec.rpartition("@") if "@" in spec else (spec, "", "")
     if not sep:
         return Variant(path, None, False)
@@ -370,7 +374,7 @@ def variant_spec(spec: str) -> Variant:
 
 class ModeRunner:
     """Maps an eval mode to an engine call: engine modes (none, native, canonical,
-    translate, mot-window) as they are; a `NAME=[PATH][@R|@window|@refreshF[:SCORING][+shift]][+biasB[+answerK]|+qbiasB][+sliding|+full][+rest:KIND][+hardF][+fitted]` variant runs
+    translate, mot-window) as they are; a `NAME=` + `VARIANT_SYNTAX` variant runs
     `translate` (replay R, or refresh F) or `mot-window` with the artifact at PATH (default:
     the installed one), e.g. the `linear` baseline, a single-expert ablation or one point of
     the replay curve."""

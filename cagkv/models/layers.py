@@ -69,7 +69,7 @@ class AttentionBias(NamedTuple):
 
     def add_to(self, mask: torch.Tensor, extra: torch.Tensor, kind: str, types: list[str]) -> dict[str | int, torch.Tensor]:
         """The masks of the layers of kind `kind`: `mask` plus `extra` (this bias's additive part,
-        broadcastable to `mask`), as one mask for the kind, or without `per_layer` one per layer
+        broadcastable to `mask`): one mask for the kind without `per_layer`, else one per layer
         index of that kind, `extra` scaled per head by the layer's row."""
         if self.per_layer is None:
             return {kind: mask + extra}
