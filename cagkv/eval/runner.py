@@ -44,6 +44,7 @@ from cagkv.errors import UsageError
 from cagkv.eval.datasets import Example, load_dataset, unique_contexts
 from cagkv.eval.metrics import answer_span, exact_match, token_f1
 from cagkv.eval.report import TIMING_KEYS, build_report, to_markdown
+from cagkv.models.layers import LAYER_WORDS, parse_bias_scope
 from cagkv.refresh import SCORINGS
 
 if TYPE_CHECKING:
@@ -279,8 +280,6 @@ class Variant(NamedTuple):
 
 def _scope_word(flag: str, usage: str) -> str:
     """`flag` where the bias-scope parser takes it as a scope word, else a UsageError saying `usage`."""
-    from cagkv.models.layers import parse_bias_scope
-
     try:
         parse_bias_scope(flag)
     except ValueError:
@@ -302,9 +301,9 @@ def _flags(text: str) -> tuple[bool, float | None, str | None]:
             shift = True
         elif flag == "fitted":
             fitted = True
-        elif flag in ("sliding", "full"):
+        elif flag in LAYER_WORDS:
             layers = flag
-        elif flag in ("rest:sliding", "rest:full"):
+        elif flag.startswith("rest:") and flag[len("rest:"):] in LAYER_WORDS:
             rest = flag
         elif flag.startswith("hard"):
             hard = _scope_word(flag, "+hardF takes a share in (0, 1], as in +hard0.33")

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 __all__ = ["run_layers", "inject_kv", "decoder_of", "layer_types", "forward_at", "AttentionBias", "head_logits",
-           "biased_masks", "BiasScope", "parse_bias_scope", "eager_attention"]
+           "biased_masks", "BiasScope", "LAYER_WORDS", "parse_bias_scope", "eager_attention"]
 
 
 class AttentionBias(NamedTuple):
@@ -93,7 +93,7 @@ class BiasScope(NamedTuple):
     fitted: bool = False  # each layer and head scales the bias by the translator's fitted table (E95)
 
 
-_LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}
+LAYER_WORDS = {"sliding": "sliding_attention", "full": "full_attention"}  # a scope's words for the layer kinds
 
 
 def parse_bias_scope(scope: str) -> BiasScope:
@@ -124,11 +124,11 @@ def parse_bias_scope(scope: str) -> BiasScope:
             if not 0 < hard <= 1:
                 raise ValueError(f"an attention bias scope's hardF takes a share in (0, 1], as in hard0.33, got {word!r}")
             continue
-        if word in _LAYER_WORDS and kinds is None:
-            kinds = frozenset({_LAYER_WORDS[word]})
+        if word in LAYER_WORDS and kinds is None:
+            kinds = frozenset({LAYER_WORDS[word]})
             continue
-        if word.startswith("rest:") and word[len("rest:"):] in _LAYER_WORDS and rest is None:
-            rest = frozenset({_LAYER_WORDS[word[len("rest:"):]]})
+        if word.startswith("rest:") and word[len("rest:"):] in LAYER_WORDS and rest is None:
+            rest = frozenset({LAYER_WORDS[word[len("rest:"):]]})
             continue
         if not seen_queries and (word in ("all", "question")
                                  or (word.startswith("answer") and word[len("answer"):].isdigit())):
