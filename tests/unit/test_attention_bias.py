@@ -100,10 +100,12 @@ def test_a_bias_of_log_2_reads_a_token_as_if_it_were_cached_twice(family: str) -
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("kinds", [None, frozenset({"full_attention"})])
-def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str, kinds: frozenset[str] | None) -> None:
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str, kinds: frozenset[str] | None,
+                                                              per_layer: bool) -> None:
     """Stale entries recomputed in the prompt's forward are computed as `refresh_tokens`
-    computes them (no bias); the prompt's rows are biased (in the layers of `kinds`): one
-    forward equals the two."""
+    computes them (no bias); the prompt's rows are biased (in the layers of `kinds`, scaled
+    per layer and head by a `per_layer` table): one forward equals the two."""
     lm = tiny(family)
     ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(2))
     stale = {p: int(ids[0, p]) for p in (4, 9, 15)}
@@ -111,14 +113,19 @@ def test_feed_biases_the_prompt_not_the_entries_it_recomputes(family: str, kinds
     for layer in cache.layers:  # placeholders at the stale positions
         layer.keys[:, :, sorted(stale)] = 0
         layer.values[:, :, sorted(stale)] = 0
-    bias = AttentionBias(BIASED, -0.5, None, kinds)
+    table = torch.randn(len(decoder_of(lm.model).layers), lm.config.num_attention_heads,
+                        generator=torch.Generator().manual_seed(7)) if per_layer else None
+    bias = AttentionBias(BIASED, -0.5, None, kinds, per_layer=table)
     prompt = ids[0, 20:].tolist()
     _, got = feed(lm.model, copy.deepcopy(cache), 20, prompt, stale, keep=0, bias=bias)
     first = copy.deepcopy(cache)
     with torch.no_grad():
         refresh_tokens(lm.model, first, list(stale.values()), sorted(stale))
+        plain = forward_at(lm.model, prompt, 20, copy.deepcopy(first), keep=0,
+                           bias=bias._replace(per_layer=None)).logits[0]
         want = forward_at(lm.model, prompt, 20, first, keep=0, bias=bias).logits[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert per_layer != torch.allclose(got, plain, atol=1e-3)  # the table acts where there is one
 
 
 def test_a_zero_bias_is_the_models_own_forward_and_a_bias_needs_a_cache() -> None:
@@ -194,26 +201,3 @@ def test_a_per_layer_table_scales_the_bias_in_each_layer_and_head(family: str) -
     torch.testing.assert_close(ones, _reference(lm.model, every, 20, fed, bias._replace(per_layer=None)),
                                atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got, ones, atol=1e-3)
-
-
-def test_feed_scales_the_prompts_bias_per_layer_where_it_recomputes_entries_too() -> None:
-    lm = tiny("llama")
-    ids = torch.randint(3, 90, (1, 25), generator=torch.Generator().manual_seed(6))
-    stale = {p: int(ids[0, p]) for p in (4, 9, 15)}
-    cache = _cache(lm.model, ids[:, :20], full_cache)
-    for layer in cache.layers:
-        layer.keys[:, :, sorted(stale)] = 0
-        layer.values[:, :, sorted(stale)] = 0
-    table = torch.randn(len(decoder_of(lm.model).layers), lm.config.num_attention_heads,
-                        generator=torch.Generator().manual_seed(7))
-    bias = AttentionBias(BIASED, -0.5, per_layer=table)
-    prompt = ids[0, 20:].tolist()
-    _, got = feed(lm.model, copy.deepcopy(cache), 20, prompt, stale, keep=0, bias=bias)
-    first = copy.deepcopy(cache)
-    with torch.no_grad():
-        refresh_tokens(lm.model, first, list(stale.values()), sorted(stale))
-        want = forward_at(lm.model, prompt, 20, first, keep=0, bias=bias).logits[0]
-        plain = forward_at(lm.model, prompt, 20, copy.deepcopy(first), keep=0,
-                           bias=bias._replace(per_layer=None)).logits[0]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(got, plain, atol=1e-3)
