@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset
-from cagkv.eval.metrics import _gap_ratio, _paired_bootstrap, answer_span, recovery, recovery_difference, token_f1
+from cagkv.eval.metrics import answer_span, recovery, recovery_difference, token_f1
 from cagkv.eval.runner import EvalConfig, answer_ids, default_store_factory, ingest_contexts
 from cagkv.pipeline import CAG, Prepared
 from cagkv.refresh import feed
@@ -113,9 +113,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in keys:  # like for like: the translation at a against native at the same a
         a = key.split("@")[1]
         if key.startswith("translated") and a != "0" and f"native@{a}" in labels:
-            cols = [[f1(r[k], r["gold"]) for r in rows] for k in (key, f"native@{a}", "translated@0", "native@0")]
-            diff = _paired_bootstrap([*cols, none_f1], lambda m: _gap_ratio(m[0] - m[4], m[1] - m[4])
-                                     - _gap_ratio(m[2] - m[4], m[3] - m[4]), 2000, 0, 0.95)
+            t_a, n_a, t_0, n_0 = ([f1(r[k], r["gold"]) for r in rows]
+                                  for k in (key, f"native@{a}", "translated@0", "native@0"))
+            diff = recovery_difference(t_a, t_0, none_f1, n_a, native_b=n_0)
             summary[f"like_for_like@{a}"] = [diff.value, diff.lo, diff.hi]
             print(f"  F1 recovery of the translation against native both at a = {a}, minus the same at a = 0: "
                   f"{100 * diff.value:+.1f} [{100 * diff.lo:+.1f}, {100 * diff.hi:+.1f}]")

@@ -175,13 +175,15 @@ def recovery_difference(
     n_boot: int = 2000,
     seed: int = 0,
     level: float = 0.95,
+    native_b: Sequence[float | None] | None = None,
 ) -> Interval:
     """Recovery of `a` minus recovery of `b` on the same examples, with a paired bootstrap
-    interval (each resample draws the same examples for all four columns), so two modes
-    whose separate intervals overlap can still be told apart."""
+    interval (each resample draws the same examples for every column), so two modes
+    whose separate intervals overlap can still be told apart. `native_b`: the reference `b`
+    recovers against where it is not `native` (each mode against native run its own way)."""
 
     def difference(m: np.ndarray) -> np.ndarray:
-        gap = m[3] - m[2]
-        return _gap_ratio(m[0] - m[2], gap) - _gap_ratio(m[1] - m[2], gap)
+        return _gap_ratio(m[0] - m[2], m[3] - m[2]) - _gap_ratio(m[1] - m[2], m[4] - m[2])
 
-    return _paired_bootstrap([a, b, none, native], difference, n_boot, seed, level)
+    return _paired_bootstrap([a, b, none, native, native if native_b is None else native_b], difference,
+                             n_boot, seed, level)

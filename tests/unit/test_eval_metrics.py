@@ -353,6 +353,11 @@ def test_recovery_difference_is_paired() -> None:
     assert (same.value, same.lo, same.hi) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="equal lengths"):
         recovery_difference(a[:3], b, none, native)
+    # b against a reference of its own (native run another way): each recovery against its native
+    other = none + 1.5 * (native - none)
+    own = recovery_difference(a, b, none, native, n_boot=500, native_b=other)
+    assert own.value == pytest.approx(recovery(a, none, native).value - recovery(b, none, other).value)
+    assert own.value == pytest.approx(0.7 - 0.6 / 1.5, abs=0.02)
 
 
 def test_compare_modes_pairs_two_modes_over_a_range_of_the_questions() -> None:
