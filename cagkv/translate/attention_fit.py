@@ -143,15 +143,13 @@ def save_attention_fit(fit: dict[str, torch.Tensor], folder: str | Path) -> Path
 
 def load_attention_fit(folder: str | Path, layers: int) -> torch.Tensor | None:
     """The fitted table `[layers, H]` saved in `folder`, or None without a file."""
-    from safetensors.torch import load_file
+    from cagkv.translate.sidecar import read_tensors
 
     path = Path(folder) / ATTENTION_FIT_FILE
-    if not path.exists():
+    saved = read_tensors(path, ("bias",), "attention bias fit")
+    if saved is None:
         return None
-    try:
-        table: Any = load_file(str(path))["bias"]
-    except Exception as e:  # noqa: BLE001 - truncated / not safetensors / no such tensor
-        raise TranslatorError(f"attention bias fit at {path} is unreadable: {str(e).splitlines()[0]}") from None
+    table = saved["bias"]
     if table.dim() != 2 or table.shape[0] != layers or not torch.isfinite(table).all():
         raise TranslatorError(f"attention bias fit at {path} must be finite, of shape [{layers}, heads] "
                               f"(the target's layers, query heads), got {list(table.shape)}")

@@ -123,15 +123,13 @@ def card_record(table: dict[str, torch.Tensor], pairs_dirs: Sequence[str], chunk
 
 def load_difficulty(folder: str | Path) -> torch.Tensor | None:
     """The `[V]` difficulty table saved in `folder`, or None when it has none."""
-    from safetensors.torch import load_file
+    from cagkv.translate.sidecar import read_tensors
 
     path = Path(folder) / DIFFICULTY_FILE
-    if not path.exists():
+    saved = read_tensors(path, ("difficulty",), "difficulty table")
+    if saved is None:
         return None
-    try:
-        table: Any = load_file(str(path))["difficulty"]
-    except Exception as e:  # noqa: BLE001 - truncated / not safetensors / no such tensor
-        raise TranslatorError(f"difficulty table at {path} is unreadable: {str(e).splitlines()[0]}") from None
+    table = saved["difficulty"]
     if table.dim() != 1 or not torch.isfinite(table).all() or bool((table < 0).any()):
         raise TranslatorError(f"difficulty table at {path} must be one finite, non-negative value per token id")
     return table.float()

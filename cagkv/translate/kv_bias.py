@@ -106,16 +106,13 @@ def save_kv_bias(bias: dict[str, torch.Tensor], folder: str | Path) -> Path:
 
 def load_kv_bias(folder: str | Path, layers: int, heads: int, head_dim: int) -> dict[str, torch.Tensor] | None:
     """The offsets saved in `folder` (float32 `[layers, heads, head_dim]` keys and values), or None without a file."""
-    from safetensors.torch import load_file
+    from cagkv.translate.sidecar import read_tensors
 
     path = Path(folder) / KV_BIAS_FILE
-    if not path.exists():
+    saved = read_tensors(path, ("keys", "values"), "kv bias")
+    if saved is None:
         return None
-    try:
-        saved: Any = load_file(str(path))
-        bias = {"keys": saved["keys"].float(), "values": saved["values"].float()}
-    except Exception as e:  # noqa: BLE001 - truncated / not safetensors / no such tensor
-        raise TranslatorError(f"kv bias at {path} is unreadable: {str(e).splitlines()[0]}") from None
+    bias = {name: t.float() for name, t in saved.items()}
     want = (layers, heads, head_dim)
     for name, t in bias.items():
         if tuple(t.shape) != want or not torch.isfinite(t).all():
