@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset
-from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
-from cagkv.pipeline import CAG
+from cagkv.eval.fitting import add_card_record, copy_translator, fit_bench
 from cagkv.translate import load_translator
 from cagkv.translate.attention_fit import ATTENTION_FIT_FILE, Fed, FitCase, fit_attention_bias, save_attention_fit
 
@@ -45,26 +42,18 @@ def main() -> None:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (logs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    out = Path(args.out).expanduser()
-    shutil.copytree(args.translator, out, dirs_exist_ok=True)
-    (out / ATTENTION_FIT_FILE).unlink(missing_ok=True)  # nothing of an earlier fit in the measured translation
+    out = copy_translator(args.translator, args.out, drop=ATTENTION_FIT_FILE)  # nothing of an earlier fit measured
     translator = load_translator(out)
-    card = translator.card
-    canonical, target = card["source"]["name"], card["target"]["name"]
-    config = EvalConfig(dataset=args.dataset, canonical=canonical, target=target)
     examples = load_dataset(args.dataset, limit=args.skip + args.questions, seed=args.seed)[args.skip:]
     cases = []
-    with tempfile.TemporaryDirectory() as tmp:
-        store = default_store_factory(config)(Path(tmp) / "store")
-        engine = CAG(store, canonical=canonical, find_translator=lambda src, tgt: translator)
-        documents = ingest_contexts(store, [e.context for e in examples], config, prefix="fit",
-                                    progress=not args.no_progress)
-        for example, document in tqdm(list(zip(examples, documents)), desc="caches", disable=args.no_progress):
-            ask = dict(target=target, document_ids=[document], top_k=1)
-            native = engine.prepare(example.question, mode="native", **ask)
+    with fit_bench(translator, args.dataset, [e.context for e in examples], prefix="fit",
+                   progress=not args.no_progress) as bench:
+        for example, document in tqdm(list(zip(examples, bench.documents)), desc="caches", disable=args.no_progress):
+            ask = dict(target=bench.target, document_ids=[document], top_k=1)
+            native = bench.engine.prepare(example.question, mode="native", **ask)
             # a bias scoped "all" names the translated positions exactly as the engine biases them
-            translated = engine.prepare(example.question, mode="translate", replay=0, refresh=0.0,
-                                        attention_bias=1.0, attention_bias_scope="all", **ask)
+            translated = bench.engine.prepare(example.question, mode="translate", replay=0, refresh=0.0,
+                                              attention_bias=1.0, attention_bias_scope="all", **ask)
             if translated.bias is None or translated.stale:
                 raise SystemExit(f"{example.id}: no translated chunk to fit on")
             case = FitCase(native.target.model, Fed(native.cache, native.next_position, list(native.prompt_ids)),
@@ -75,18 +64,16 @@ def main() -> None:
         fit = fit_attention_bias(cases, rounds=args.rounds, progress=not args.no_progress)
     save_attention_fit(fit, out)
     gap = {k: round(float((fit[k] - fit["native"]).abs().mean()), 4) for k in ("translated", "fitted")}
-    written = json.loads((out / "card.json").read_text())
-    written["attention_fit"] = {
+    record = {
         "dataset": Path(args.dataset).name, "questions": len(cases), "skip": args.skip, "seed": args.seed,
         "rounds": args.rounds, "native_share": round(float(fit["native"].mean()), 4),
         "translated_share": round(float(fit["translated"].mean()), 4),
         "fitted_share": round(float(fit["fitted"].mean()), 4), "mean_abs_share_gap": gap,
         "bias_mean": round(float(fit["bias"].mean()), 4), "bias_abs_mean": round(float(fit["bias"].abs().mean()), 4),
         "how": "benchmarks/fit_attention_bias.py (docs/EXPERIMENTS.md E95)"}
-    (out / "card.json").write_text(json.dumps(written, indent=2) + "\n")
+    add_card_record(out, "attention_fit", record)
     per_layer = [round(float(x), 3) for x in fit["bias"].mean(1)]
-    print(json.dumps({**written["attention_fit"], "bias_by_layer": per_layer}, indent=1))
-
+    print(json.dumps({**record, "bias_by_layer": per_layer}, indent=1))
 
 if __name__ == "__main__":
     main()

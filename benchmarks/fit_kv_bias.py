@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from cagkv.eval.datasets import load_dataset, unique_contexts
-from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
-from cagkv.pipeline import CAG
+from cagkv.eval.fitting import add_card_record, copy_translator, fit_bench
 from cagkv.translate import load_translator
 from cagkv.translate.kv_bias import KV_BIAS_FILE, fit_kv_bias, save_kv_bias
 
@@ -40,28 +37,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    out = Path(args.out).expanduser()
-    shutil.copytree(args.translator, out, dirs_exist_ok=True)
-    (out / KV_BIAS_FILE).unlink(missing_ok=True)  # measured on the folder's own translation
+    out = copy_translator(args.translator, args.out, drop=KV_BIAS_FILE)  # measured on the folder's own translation
     translator = load_translator(out)
-    card = translator.card
-    canonical, target = card["source"]["name"], card["target"]["name"]
-    config = EvalConfig(dataset=args.dataset, canonical=canonical, target=target)
     contexts = unique_contexts(load_dataset(args.dataset, seed=args.seed))[args.skip : args.skip + args.contexts]
-    with tempfile.TemporaryDirectory() as tmp:
-        store = default_store_factory(config)(Path(tmp) / "store")
-        engine = CAG(store, canonical=canonical, find_translator=lambda src, tgt: translator)
-        documents = ingest_contexts(store, contexts, config, prefix="bias", progress=True)
-        bias = fit_kv_bias(engine, target, documents, progress=True)
+    with fit_bench(translator, args.dataset, contexts, prefix="bias") as bench:
+        bias = fit_kv_bias(bench.engine, bench.target, bench.documents, progress=True)
     save_kv_bias(bias, out)
-    written = json.loads((out / "card.json").read_text())
-    written["kv_bias"] = {"dataset": Path(args.dataset).name, "contexts": len(contexts), "skip": args.skip,
-                          "seed": args.seed, "tokens": int(bias["tokens"]),
-                          "key_norm": round(float(bias["keys"].norm(dim=-1).mean()), 4),
-                          "value_norm": round(float(bias["values"].norm(dim=-1).mean()), 4)}
-    (out / "card.json").write_text(json.dumps(written, indent=2) + "\n")
-    print(json.dumps(written["kv_bias"]))
-
+    record = {"dataset": Path(args.dataset).name, "contexts": len(contexts), "skip": args.skip,
+              "seed": args.seed, "tokens": int(bias["tokens"]),
+              "key_norm": round(float(bias["keys"].norm(dim=-1).mean()), 4),
+              "value_norm": round(float(bias["values"].norm(dim=-1).mean()), 4)}
+    add_card_record(out, "kv_bias", record)
+    print(json.dumps(record))
 
 if __name__ == "__main__":
     main()
