@@ -33,7 +33,7 @@ from tqdm import tqdm
 from cagkv.eval.datasets import load_dataset
 from cagkv.eval.metrics import answer_span, recovery, recovery_difference, token_f1
 from cagkv.eval.runner import EvalConfig, answer_ids, default_store_factory, ingest_contexts
-from cagkv.pipeline import CAG, Prepared
+from cagkv.pipeline import CAG, Prepared, greedy_decode
 from cagkv.refresh import feed
 
 
@@ -57,32 +57,27 @@ def gold_logprob(ctx: Prepared, plain: Prepared, answer: str, alpha: float) -> f
 
 @torch.inference_mode()
 def contrast_answer(ctx: Prepared, plain: Prepared, alpha: float, max_new_tokens: int) -> str:
-    """Greedy answer under the combined distribution, stopped as the engine stops (`_greedy`)."""
-    fmt, tokenizer, model = ctx.fmt, ctx.target.tokenizer, ctx.target.model
+    """Greedy answer under the combined distribution, decoded by the engine's own `greedy_decode`."""
+    model = ctx.target.model
     states = []
     for p in (ctx, plain):
         cache, logits = feed(model, copy.deepcopy(p.cache), p.next_position, list(p.prompt_ids), p.stale, bias=p.bias)
         states.append([cache, p.next_position + len(p.prompt_ids), logits[-1].float(), p.bias])
-    generated: list[int] = []
-    text = ""
-    for _ in range(max_new_tokens):
-        mixed = (1 + alpha) * torch.log_softmax(states[0][2], -1) - alpha * torch.log_softmax(states[1][2], -1)
-        token = int(torch.argmax(mixed))
-        if token in fmt.stop_ids:
-            break
-        generated.append(token)
-        text = tokenizer.decode(generated, skip_special_tokens=True).lstrip()
-        if fmt.stop_on_newline and "\n" in text:
-            text = text[: text.index("\n")]
-            break
-        if len(generated) == max_new_tokens:
-            break
+
+    def mixed() -> torch.Tensor:
+        return (1 + alpha) * torch.log_softmax(states[0][2], -1) - alpha * torch.log_softmax(states[1][2], -1)
+
+    def step(token: int) -> torch.Tensor:
         for state in states:
             cache, position, _, bias = state
             _, logits = feed(model, cache, position, [token], None, bias=bias)
             state[0], state[1], state[2] = cache, position + 1, logits[-1].float()
-    return answer_span(text.strip())
+        return mixed()
 
+    text = ""
+    for _, _, text in greedy_decode(ctx.target.tokenizer, ctx.fmt, mixed(), step, max_new_tokens):
+        pass
+    return answer_span(text.strip())
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Recoveries, agreement with native's plain answer and paired differences against a = 0, printed and returned."""

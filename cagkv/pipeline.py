@@ -699,7 +699,8 @@ class CAG:
         timings["first_token"] = _ms_since(prepared.started)
         generated: list[int] = []
         text = ""
-        for piece, generated, text in _greedy(target, fmt, cache, logits[-1], prepared, max_new_tokens):
+        step = _cache_step(target, cache, prepared.next_position + len(prepared.prompt_ids), prepared.bias)
+        for piece, generated, text in greedy_decode(target.tokenizer, fmt, logits[-1], step, max_new_tokens):
             if piece:
                 yield piece
         timings["total"] = _ms_since(prepared.started)
@@ -722,22 +723,22 @@ def generate_text(loaded: LoadedModel, prompt_ids: Sequence[int], max_new_tokens
     fmt = PromptFormat.for_model(loaded)
     fmt = PromptFormat(fmt.tokenizer, True, "", "", "", (), fmt.stop_ids)  # no newline stop
     out = _forward(loaded, list(prompt_ids), None, 0)
-    prepared = Prepared(loaded, "none", out.cache, len(prompt_ids), [], [], {}, fmt, 0, 0.0)
-    for piece, _, _ in _greedy(loaded, fmt, out.cache, out.logits[0, -1], prepared, max_new_tokens):
+    step = _cache_step(loaded, out.cache, len(prompt_ids), None)
+    for piece, _, _ in greedy_decode(loaded.tokenizer, fmt, out.logits[0, -1], step, max_new_tokens):
         if piece:
             yield piece
 
 
-def _greedy(
-    target: LoadedModel, fmt: PromptFormat, cache: Any, logits: torch.Tensor, prepared: Prepared, max_new_tokens: int
+def greedy_decode(
+    tokenizer: Any, fmt: PromptFormat, logits: torch.Tensor, step: Callable[[int], torch.Tensor], max_new_tokens: int
 ) -> Iterator[tuple[str, list[int], str]]:
-    """Yields (new text piece, generated ids, text so far) per decoded token.
+    """The engine's greedy decoding from the first token's `logits`; `step(token)` feeds a chosen
+    token and returns the next logits. Yields (new text piece, generated ids, text so far) per
+    decoded token.
 
     Leading whitespace is not shown (base models often start with a space or newline);
     base-layout models stop at the end of their first answer line.
     """
-    tokenizer = target.tokenizer
-    position = prepared.next_position + len(prepared.prompt_ids)
     generated: list[int] = []
     emitted = ""
     for _ in range(max_new_tokens):
@@ -756,8 +757,20 @@ def _greedy(
             yield piece, generated, emitted
         if stop or len(generated) == max_new_tokens:
             break
-        out = _forward(target, [token], cache, position, prepared.bias)
-        cache, position, logits = out.cache, position + 1, out.logits[0, -1]
+        logits = step(token)
+
+
+def _cache_step(target: LoadedModel, cache: Any, position: int,
+                bias: AttentionBias | None) -> Callable[[int], torch.Tensor]:
+    """`step(token) -> logits` for `greedy_decode`: one token at a time into `cache` from `position`."""
+
+    def step(token: int) -> torch.Tensor:
+        nonlocal cache, position
+        out = _forward(target, [token], cache, position, bias)
+        cache, position = out.cache, position + 1
+        return out.logits[0, -1]
+
+    return step
 
 
 @torch.inference_mode()

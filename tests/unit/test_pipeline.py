@@ -783,3 +783,50 @@ def test_mot_window_mode_and_default_replay_reach_the_translator(tmp_path, model
     assert tr.kwargs[-1] == {}  # an explicit 0 wins over the default
     with pytest.raises(UsageError, match="mot-window needs a target other"):
         cag.ask(q, mode="mot-window")
+
+
+class _ByteTokenizer:
+    """Token i is byte i; decoding a cut UTF-8 sequence shows U+FFFD, as real tokenizers do."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _decode(script: list[int], chat: bool, max_new_tokens: int = 16, stop: frozenset[int] = frozenset({0})):
+    from cagkv.pipeline import greedy_decode
+    from cagkv.prompt import PromptFormat
+
+    fmt = PromptFormat(_ByteTokenizer(), chat, "", "", "", (), stop)
+    fed: list[int] = []
+
+    def logits_for(i: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(script[i]), 256).float()
+
+    def step(token: int) -> torch.Tensor:
+        fed.append(token)
+        return logits_for(len(fed))
+
+    return list(greedy_decode(fmt.tokenizer, fmt, logits_for(0), step, max_new_tokens)), fed
+
+
+def test_greedy_decode_stops_on_a_stop_id_and_strips_the_leading_space() -> None:
+    steps, fed = _decode(list(b" Paris") + [0, 65], chat=True)
+    assert [piece for piece, _, _ in steps] == ["", "P", "a", "r", "i", "s"]
+    assert steps[-1][1:] == (list(b" Paris"), "Paris")
+    assert fed == list(b" Paris")  # the stop token is never fed
+
+
+def test_greedy_decode_base_layout_ends_at_the_line_end_and_chat_does_not() -> None:
+    script = list(b"Paris\nQuestion") + [0]
+    base, fed = _decode(script, chat=False)
+    assert base[-1][2] == "Paris" and fed == list(b"Paris")  # the newline is decoded, not fed
+    chat, _ = _decode(script, chat=True)
+    assert chat[-1][2] == "Paris\nQuestion"
+
+
+def test_greedy_decode_holds_half_a_character_back_and_respects_the_limit() -> None:
+    e_acute = list("é".encode())  # two bytes
+    steps, _ = _decode(list(b"caf") + e_acute + [0], chat=True)
+    assert [piece for piece, _, _ in steps] == ["c", "a", "f", "", "é"]
+    limited, fed = _decode(list(b"abcdef"), chat=True, max_new_tokens=3)
+    assert limited[-1][2] == "abc" and len(fed) == 2  # the last token is not fed
