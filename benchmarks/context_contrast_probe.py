@@ -79,6 +79,7 @@ def contrast_answer(ctx: Prepared, plain: Prepared, alpha: float, max_new_tokens
         pass
     return answer_span(text.strip())
 
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Recoveries, agreement with native's plain answer and paired differences against a = 0, printed and returned."""
     labels = {k for r in rows for k in r if "@" in k and not k.endswith(":logprob")}

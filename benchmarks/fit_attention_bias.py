@@ -24,8 +24,9 @@ import torch
 from tqdm import tqdm
 
 from cagkv.eval.datasets import load_dataset
-from cagkv.eval.fitting import add_card_record, copy_translator, fit_bench
+from cagkv.eval.fitting import copy_translator, fit_bench
 from cagkv.translate import load_translator
+from cagkv.translate.artifact import add_card_record
 from cagkv.translate.attention_fit import ATTENTION_FIT_FILE, Fed, FitCase, fit_attention_bias, save_attention_fit
 
 
@@ -74,6 +75,7 @@ def main() -> None:
     add_card_record(out, "attention_fit", record)
     per_layer = [round(float(x), 3) for x in fit["bias"].mean(1)]
     print(json.dumps({**record, "bias_by_layer": per_layer}, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,6 @@ Several pair folders pool their chunks. Example (E69, the reverse pair; E70 adde
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 
 from cagkv.models import load
 from cagkv.translate import load_translator
+from cagkv.translate.artifact import add_card_record
 from cagkv.translate.difficulty import PRIORS, card_record, fit_difficulty, save_difficulty
 from cagkv.translate.pairs import PairSet
 from cagkv.translate.train import Trainer, TrainConfig
@@ -53,12 +53,9 @@ def main() -> None:
     trainer = Trainer(source, target, sets[0], heldout, TrainConfig(), mot=translator.model.train(False))
     table = fit_difficulty(trainer, sets, progress=True, prior=args.prior)
     path = save_difficulty(table, folder)
-    card_path = folder / "card.json"
-    written = json.loads(card_path.read_text())
-    written["difficulty"] = card_record(table, [str(f) for f in folders], sum(len(s) for s in sets), args.prior,
-                                        previous=written.get("difficulty"))
-    card_path.write_text(json.dumps(written, indent=1, sort_keys=True) + "\n")
-    record = written["difficulty"]
+    record = card_record(table, [str(f) for f in folders], sum(len(s) for s in sets), args.prior,
+                         previous=card.get("difficulty"))
+    add_card_record(folder, "difficulty", record)
     print(f"{path}: {record['ids_seen']} token ids seen in {record['tokens']} tokens; "
           f"difficulty of seen ids in {record['range_seen']} (min, max)")
 

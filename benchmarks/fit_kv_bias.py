@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from cagkv.eval.datasets import load_dataset, unique_contexts
-from cagkv.eval.fitting import add_card_record, copy_translator, fit_bench
+from cagkv.eval.fitting import copy_translator, fit_bench
 from cagkv.translate import load_translator
+from cagkv.translate.artifact import add_card_record
 from cagkv.translate.kv_bias import KV_BIAS_FILE, fit_kv_bias, save_kv_bias
 
 
@@ -49,6 +50,7 @@ def main() -> None:
               "value_norm": round(float(bias["values"].norm(dim=-1).mean()), 4)}
     add_card_record(out, "kv_bias", record)
     print(json.dumps(record))
+
 
 if __name__ == "__main__":
     main()

@@ -2,13 +2,13 @@
 
 `benchmarks/fit_kv_bias.py` and `benchmarks/fit_attention_bias.py` both copy a translator
 folder to `--out` (without the table being fitted, so it is measured on the folder's own
-translation), ingest held-out contexts with the canonical model into a temporary store, run
-the real engine over them, and add a record of the fit to the copied card.
+translation), ingest held-out contexts with the canonical model into a temporary store and run
+the real engine over them; the record of the fit goes into the copied card with
+`cagkv.translate.artifact.add_card_record`.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -18,25 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from cagkv.eval.runner import EvalConfig, default_store_factory, ingest_contexts
+from cagkv.translate.artifact import CARD
 
 
 def copy_translator(src: str | Path, out: str | Path, drop: str) -> Path:
     """Copy the translator folder `src` to `out`, leaving out any earlier `drop` file there."""
     out = Path(out).expanduser()
-    if not (Path(src) / "card.json").is_file():
-        raise SystemExit(f"{src}: not a translator folder (no card.json)")
+    if not (Path(src) / CARD).is_file():
+        raise SystemExit(f"{src}: not a translator folder (no {CARD})")
     shutil.copytree(src, out, dirs_exist_ok=True)
     (out / drop).unlink(missing_ok=True)
     return out
-
-
-def add_card_record(folder: str | Path, key: str, record: dict[str, Any]) -> dict[str, Any]:
-    """Write `record` under `key` into the folder's card.json; returns the card as written."""
-    path = Path(folder) / "card.json"
-    card = json.loads(path.read_text())
-    card[key] = record
-    path.write_text(json.dumps(card, indent=2) + "\n")
-    return card
 
 
 @dataclass

@@ -97,6 +97,15 @@ def read_card(path: str | Path) -> dict[str, Any]:
     return card
 
 
+def add_card_record(path: str | Path, key: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Write `record` under `key` into the card of artifact folder `path` (what a fit beside the
+    weights, such as a difficulty or bias table, leaves there); returns the card as written."""
+    card = read_card(path)
+    card[key] = record
+    (Path(path) / CARD).write_text(json.dumps(card, indent=1, sort_keys=True) + "\n")
+    return card
+
+
 def load_translator(path: str | Path, source_fp: str | None = None, target_fp: str | None = None) -> Translator:
     """Load an artifact folder; refuses fingerprints that differ from the card's, naming which."""
     from safetensors.torch import load_file

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from cagkv.eval.fitting import add_card_record, copy_translator, fit_bench
+from cagkv.eval.fitting import copy_translator, fit_bench
 from cagkv.translate import find_translator, load_translator
+from cagkv.translate.artifact import add_card_record
 from cagkv.translate.kv_bias import KV_BIAS_FILE, fit_kv_bias
 
 pytestmark = pytest.mark.integration
