@@ -17,15 +17,15 @@ Several pair folders pool their chunks. Example (E69, the reverse pair; E70 adde
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
 
+from cagkv.eval.fitting import copy_translator
 from cagkv.models import load
 from cagkv.translate import load_translator
 from cagkv.translate.artifact import add_card_record
-from cagkv.translate.difficulty import PRIORS, card_record, fit_difficulty, save_difficulty
+from cagkv.translate.difficulty import DIFFICULTY_FILE, PRIORS, card_record, fit_difficulty, save_difficulty
 from cagkv.translate.pairs import PairSet
 from cagkv.translate.train import Trainer, TrainConfig
 
@@ -42,8 +42,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = Path(args.translator)
     if args.out:
-        shutil.copytree(folder, args.out, dirs_exist_ok=True)
-        folder = Path(args.out)
+        folder = copy_translator(folder, args.out, drop=DIFFICULTY_FILE)
     translator = load_translator(folder)
     card = translator.card
     source, target = load(card["source"]["name"]), load(card["target"]["name"])

@@ -2,7 +2,7 @@
 
 `benchmarks/fit_kv_bias.py` and `benchmarks/fit_attention_bias.py` both copy a translator
 folder to `--out` (without the table being fitted, so it is measured on the folder's own
-translation), ingest held-out contexts with the canonical model into a temporary store and run
+translation; `benchmarks/fit_difficulty.py` copies the same way), ingest held-out contexts with the canonical model into a temporary store and run
 the real engine over them; the record of the fit goes into the copied card with
 `cagkv.translate.artifact.add_card_record`.
 """
