@@ -47,6 +47,7 @@ __all__ = ["TrainConfig", "Trainer", "train", "make_mot_config", "kl_topk"]
 
 STAGES = ("regression", "attention", "e2e")
 MIX_DRAWS = ("random", "difficulty")  # TrainConfig.refresh_mix_by: how the native share is drawn
+MIX_SHARES = ("fixed", "uniform")  # TrainConfig.refresh_mix_share: how large each chunk's native share is
 
 
 @dataclass
@@ -86,6 +87,8 @@ class TrainConfig:
     # Context Correction cache, as question-time refresh leaves them; the loss reaches the rest only (E63)
     refresh_mix_by: str = "random"  # which tokens: "random", or "difficulty", the share the init translator's
     # difficulty table ranks hardest, as the "difficulty" refresh scoring would choose them (E74)
+    refresh_mix_share: str = "fixed"  # "fixed": every chunk gets refresh_mix; "uniform": each chunk's share is
+    # drawn from [0, refresh_mix), so wholly or mostly translated chunks stay in the mix (E101)
     native_below: int = 0  # >0: the target computes its layers below this one over the chunk; the mixture
     # reads its residual stream there (MoTConfig.native_below, E66)
     topk: int = 32
@@ -162,6 +165,9 @@ class Trainer:
         self._mix_table: torch.Tensor | None = None  # refresh_mix_by="difficulty": mix_table()
         if cfg.refresh_mix_by not in MIX_DRAWS:
             raise TranslatorError(f"refresh_mix_by must be one of {', '.join(MIX_DRAWS)}, got {cfg.refresh_mix_by!r}")
+        if cfg.refresh_mix_share not in MIX_SHARES:
+            raise TranslatorError(f"refresh_mix_share must be one of {', '.join(MIX_SHARES)}, "
+                                  f"got {cfg.refresh_mix_share!r}")
         self.P = int(pairs.prefix_ids.numel())
         self.t_start = time.time()
         self.replay = 0  # > 0: translate_batch recomputes the top `replay` layers (replay heads)
@@ -379,14 +385,16 @@ class Trainer:
                    share: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[B, L, H, T, D]` with `round(share * n)` real tokens of each chunk (drawn
         by `refresh_mix_by`: at random, or the ids the difficulty table ranks hardest) replaced on
-        every layer by their native ones, as refresh would leave them: no gradient reaches those."""
+        every layer by their native ones, as refresh would leave them: no gradient reaches those.
+        With `refresh_mix_share="uniform"` each chunk's share is drawn from `[0, share)` instead."""
         picked = torch.zeros(bt["mask"].shape, dtype=torch.bool)  # [B, T]
         table = self.mix_table() if self.cfg.refresh_mix_by == "difficulty" else None
         for i, n in enumerate(bt["lengths"].tolist()):
+            k = round((self._mix_rng.uniform(0, share) if self.cfg.refresh_mix_share == "uniform" else share) * n)
             if table is None:
-                chosen = self._mix_rng.sample(range(n), round(share * n))
+                chosen = self._mix_rng.sample(range(n), k)
             else:  # the ids the table ranks hardest
-                chosen = torch.topk(table[bt["ids"][i, :n]], round(share * n)).indices.tolist()
+                chosen = torch.topk(table[bt["ids"][i, :n]], k).indices.tolist()
             picked[i, chosen] = True
         where = picked[:, None, None, :, None]
         return (torch.where(where, self.native_keys(bt), keys),

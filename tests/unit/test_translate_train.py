@@ -174,6 +174,26 @@ def test_refresh_mix_by_difficulty_gives_the_hardest_ids_native_kv(pairs: PairSe
         _trainer(pairs, refresh_mix_by="question")
 
 
+def test_refresh_mix_share_uniform_draws_each_chunks_share_below_the_cap(pairs: PairSet) -> None:
+    from cagkv.errors import TranslatorError
+
+    tr = _trainer(pairs, refresh_mix=0.5, refresh_mix_share="uniform")
+    rec = next(r for r in pairs if r["kinds"])
+    bt = tr.batch([rec])
+    keys, values, _ = tr.translate_batch(bt)
+    n = int(bt["lengths"][0])
+    assert n >= 16  # enough tokens for the shares to differ
+    counts = []
+    for _ in range(40):
+        mk, _ = tr.mix_native(keys, values, bt, 0.5)
+        counts.append(int((mk == tr.native_keys(bt)).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))[:n].sum()))
+    assert all(0 <= c <= round(0.5 * n) for c in counts)
+    assert len(set(counts)) > 3  # the share varies from chunk to chunk
+    assert min(counts) < round(0.25 * n) < max(counts)
+    with pytest.raises(TranslatorError, match="refresh_mix_share"):
+        _trainer(pairs, refresh_mix_share="normal")
+
+
 def test_native_below_trains_on_the_targets_residual_and_keeps_its_lower_kv(pairs: PairSet) -> None:
     tr = _trainer(pairs, native_below=2)
     rec = next(r for r in pairs if r["kinds"])
