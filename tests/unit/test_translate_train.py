@@ -123,6 +123,11 @@ def test_answer_weight_moves_the_e2e_loss_toward_the_answer_tokens(pairs: PairSe
     assert abs(four - only) < abs(default - only)  # a larger weight: closer to the answer-only KL
 
 
+def _native_tokens(tr: Trainer, mixed_keys: torch.Tensor, bt: dict) -> torch.Tensor:
+    """`[T]`: the chunk positions whose keys in `mixed_keys` are native on every layer and head."""
+    return (mixed_keys == tr.native_keys(bt)).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))
+
+
 def test_refresh_mix_gives_a_share_of_tokens_native_kv_and_no_gradient(pairs: PairSet) -> None:
     tr = _trainer(pairs, refresh_mix=0.4)
     rec = next(r for r in pairs if r["kinds"])
@@ -130,8 +135,8 @@ def test_refresh_mix_gives_a_share_of_tokens_native_kv_and_no_gradient(pairs: Pa
     keys, values, _ = tr.translate_batch(bt)
     n = int(bt["lengths"][0])
     mk, mv = tr.mix_native(keys, values, bt, 0.4)
-    native_k, native_v = tr.native_keys(bt), tr.native_keys(bt, "tv")
-    same = (mk == native_k).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))  # [T]: native on every layer
+    native_v = tr.native_keys(bt, "tv")
+    same = _native_tokens(tr, mk, bt)
     assert int(same[:n].sum()) == round(0.4 * n)
     picked = same.nonzero().flatten()
     assert torch.equal(mv[:, :, :, picked], native_v[:, :, :, picked])
@@ -166,7 +171,7 @@ def test_refresh_mix_by_difficulty_gives_the_hardest_ids_native_kv(pairs: PairSe
     tr.cfg.init = str(tmp_path)
     n = int(bt["lengths"][0])
     mk, _ = tr.mix_native(keys, values, bt, 0.4)
-    same = (mk == tr.native_keys(bt)).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))[:n]
+    same = _native_tokens(tr, mk, bt)[:n]
     ids = bt["ids"][0, :n]
     hardest = set(torch.topk(table[ids], round(0.4 * n)).indices.tolist())
     assert set(same.nonzero().flatten().tolist()) == hardest
@@ -186,7 +191,7 @@ def test_refresh_mix_share_uniform_draws_each_chunks_share_below_the_cap(pairs: 
     counts = []
     for _ in range(40):
         mk, _ = tr.mix_native(keys, values, bt, 0.5)
-        counts.append(int((mk == tr.native_keys(bt)).flatten(start_dim=1, end_dim=2).all(dim=(0, 1, 3))[:n].sum()))
+        counts.append(int(_native_tokens(tr, mk, bt)[:n].sum()))
     assert all(0 <= c <= round(0.5 * n) for c in counts)
     assert len(set(counts)) > 3  # the share varies from chunk to chunk
     assert min(counts) < round(0.25 * n) < max(counts)
