@@ -321,3 +321,23 @@ def test_a_translator_interpolates_with_its_native_below_continuation() -> None:
     torch.testing.assert_close(half["res_proj"], b.res_proj / 2)
     with pytest.raises(ValueError, match="different configs"):
         upcycled_like(b, a)
+
+
+def test_an_ensemble_averages_its_members_translations_even_when_installed_on_one_of_them() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from ensemble_probe import ensemble_translate
+
+    class Member:
+        def __init__(self, scale: float) -> None:
+            self.scale = scale
+
+        def translate_batch(self, bt):
+            return bt["x"] * self.scale, bt["x"] * -self.scale, f"out{self.scale}"
+
+    members = [Member(1.0), Member(2.0), Member(6.0)]
+    members[0].translate_batch = ensemble_translate(members)  # as main() installs it on its host
+    bt = {"x": torch.arange(4.0)}
+    keys, values, out = members[0].translate_batch(bt)
+    torch.testing.assert_close(keys, bt["x"] * 3.0)
+    torch.testing.assert_close(values, bt["x"] * -3.0)
+    assert out == "out1.0"  # the host's own output rides along (its aux terms are not averaged)
