@@ -361,6 +361,19 @@ class Translator:
         return self._kv_bias
 
     @property
+    def key_ridge(self) -> dict[str, torch.Tensor] | None:
+        """A closed-form correction of the translated keys from every source layer, added to
+        every translation; read once from the artifact's `key_ridge.safetensors`
+        (`cagkv.translate.key_ridge`, E108); None without one."""
+        if not hasattr(self, "_key_ridge"):
+            from cagkv.translate.key_ridge import load_key_ridge
+
+            cfg = self.model.cfg
+            self._key_ridge = (load_key_ridge(self.path, cfg.src_layers, cfg.src_kv_dim, cfg.tgt_layers,
+                                              cfg.tgt_kv_heads * cfg.tgt_head_dim) if self.path else None)
+        return self._key_ridge
+
+    @property
     def attention_fit(self) -> torch.Tensor | None:
         """An attention bias table `[L, H]` (target layers by query heads) fitted to native's
         attention shares, which the bias scope word "fitted" scales a bias by; read once from the
@@ -433,6 +446,13 @@ class Translator:
             hidden = out.hidden
         for (keys, values), (_, k_low, v_low) in zip(kv, lower or []):
             keys[:below], values[:below] = k_low, v_low
+        if self.key_ridge is not None:  # before replay, like the bias below
+            from cagkv.translate.key_ridge import apply_key_ridge, ridge_features
+
+            ridge = self.key_ridge
+            kv = [(apply_key_ridge(keys, ridge_features(b.keys.to(keys.device), b.values.to(keys.device), b.offsets,
+                                                        tgt_tokens[i][1], ridge["source_layers"].tolist()), ridge),
+                   values) for i, (b, (keys, values)) in enumerate(zip(blocks, kv))]
         if self.kv_bias is not None:  # before replay: the layers it recomputes read the ones below
             from cagkv.translate.kv_bias import apply_kv_bias
 
