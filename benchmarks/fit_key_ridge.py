@@ -31,6 +31,7 @@ from cagkv.translate.key_ridge import (
     RidgeAccumulator,
     apply_key_ridge,
     fit_key_ridge,
+    load_key_ridge,
     ridge_features,
     save_key_ridge,
 )
@@ -99,8 +100,10 @@ def main() -> None:
         if len(buffer) == 32 or i == chunks - 1:  # one float32 product per 32 chunks
             acc.add(torch.cat([f for f, _ in buffer]), torch.cat([e for _, e in buffer]))
             buffer = []
-    ridge = fit_key_ridge(acc, cfg.translated, lam=args.lam, rank=args.rank, with_mean=args.with_mean)
-    save_key_ridge(ridge, out, source_layers)
+    save_key_ridge(fit_key_ridge(acc, cfg.translated, lam=args.lam, rank=args.rank, with_mean=args.with_mean),
+                   out, source_layers)
+    ridge = load_key_ridge(out, cfg.src_layers, cfg.src_kv_dim, cfg.tgt_layers, cfg.tgt_kv_heads * cfg.tgt_head_dim)
+    assert ridge is not None  # probed as saved (float16 factors)
     print(f"fitted on {chunks} chunks ({acc.n} tokens) in {time.time() - t0:.0f} s", flush=True)
 
     probe = {"without": trainer.evaluate()}

@@ -101,13 +101,15 @@ def fit_key_ridge(acc: RidgeAccumulator, layers: Sequence[int], lam: float = 0.1
     return {"down": down.float(), "up": up.float(), "bias": bias.float(), "layers": torch.tensor(layers)}
 
 
-def save_key_ridge(ridge: dict[str, torch.Tensor], folder: str | Path, source_layers: Sequence[int]) -> Path:
+def save_key_ridge(ridge: dict[str, torch.Tensor], folder: str | Path, source_layers: Sequence[int],
+                   dtype: torch.dtype = torch.float16) -> Path:
     """Write the correction beside a translator's weights (`KEY_RIDGE_FILE`), with the source
-    layers whose K/V (in that order) make its features."""
+    layers whose K/V (in that order) make its features; its two factors in `dtype` (half the
+    bytes of float32 by default: they are read in float32)."""
     from safetensors.torch import save_file
 
     path = Path(folder) / KEY_RIDGE_FILE
-    tensors = {k: v.contiguous() for k, v in ridge.items()}
+    tensors = {k: (v.to(dtype) if k in ("down", "up") else v).contiguous() for k, v in ridge.items()}
     tensors["source_layers"] = torch.tensor(list(source_layers))
     save_file(tensors, str(path))
     return path

@@ -82,10 +82,15 @@ def test_the_file_round_trips_and_bad_files_are_refused(tmp_path: Path) -> None:
     assert load_key_ridge(tmp_path, 4, 3, 5, 8) is None
     ridge = {"down": torch.randn(2 * 2 * 3, 5), "up": torch.randn(5, 2 * 8), "bias": torch.randn(16),
              "layers": torch.tensor([1, 4])}
-    assert save_key_ridge(ridge, tmp_path, [0, 3]) == tmp_path / KEY_RIDGE_FILE
+    assert save_key_ridge(ridge, tmp_path, [0, 3], dtype=torch.float32) == tmp_path / KEY_RIDGE_FILE
     got = load_key_ridge(tmp_path, 4, 3, 5, 8)
     for name in ("down", "up", "bias"):
         torch.testing.assert_close(got[name], ridge[name])
+    save_key_ridge(ridge, tmp_path, [0, 3])  # the factors in float16 by default, read back in float32
+    half = load_key_ridge(tmp_path, 4, 3, 5, 8)
+    assert half["down"].dtype == torch.float32
+    torch.testing.assert_close(half["down"], ridge["down"].half().float())
+    torch.testing.assert_close(half["bias"], ridge["bias"])
     assert got["source_layers"].tolist() == [0, 3] and got["layers"].tolist() == [1, 4]
     with pytest.raises(TranslatorError, match="key ridge"):
         load_key_ridge(tmp_path, 3, 3, 5, 8)  # a source with fewer layers
@@ -133,7 +138,7 @@ def test_a_translator_adds_the_correction_beside_its_weights_to_every_translatio
     ridge = {"down": torch.randn(3 * 2 * cfg.src_kv_dim, 4, generator=g) * 0.01,
              "up": torch.randn(4, len(layers) * cfg.tgt_kv_heads * cfg.tgt_head_dim, generator=g),
              "bias": torch.zeros(len(layers) * cfg.tgt_kv_heads * cfg.tgt_head_dim), "layers": torch.tensor(layers)}
-    save_key_ridge(ridge, folder, [0, 1, 3])
+    save_key_ridge(ridge, folder, [0, 1, 3], dtype=torch.float32)
     after = load_translator(folder).translate(block, tgt)
     features = ridge_features(block.keys, block.values, block.offsets, before.offsets, [0, 1, 3])
     expected = apply_key_ridge(before.keys, features, ridge)
