@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from translate_fixtures import CORPUS, chunk_block, tiny_model  # noqa: E402
+from translate_fixtures import CORPUS, chunk_block, saved_translator  # noqa: E402
 
 from cagkv.errors import TranslatorError  # noqa: E402
 from cagkv.translate.kv_bias import (  # noqa: E402
@@ -64,16 +64,9 @@ def test_offsets_round_trip_and_bad_files_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_translator_adds_the_offsets_beside_its_weights_to_every_translation(tmp_path: Path) -> None:
-    from cagkv.translate.artifact import load_translator, save_artifact
-    from cagkv.translate.mot import MoTTranslator
-    from cagkv.translate.train import TrainConfig, make_mot_config
+    from cagkv.translate.artifact import load_translator
 
-    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
-    torch.manual_seed(0)
-    mot = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=24, d_expert=32, experts=2, top_k=1,
-                                                              init="random"))).eval()
-    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
-    folder = save_artifact(tmp_path / "t", mot, card, dtype=torch.float32)
+    src, tgt, _, folder = saved_translator(tmp_path / "t")
     block = chunk_block(src, CORPUS[0])
     plain = load_translator(folder)
     assert plain.kv_bias is None

@@ -93,3 +93,18 @@ def chunk_block(loaded: LoadedModel, text: str) -> KVBlock:
         out = loaded.model(input_ids=ids[None], cache=full_cache(), use_cache=True)
     k, v = extract_kv(out.cache, loaded.spec, torch.arange(ids.numel()))
     return KVBlock(k, v, ids, offs, text, loaded.fingerprint)
+
+
+def saved_translator(folder):
+    """A random tiny translator (llama 4 layers -> gemma3 6 layers) saved as an artifact in
+    `folder`: returns the source, the target, its network and the artifact folder."""
+    from cagkv.translate.artifact import save_artifact
+    from cagkv.translate.mot import MoTTranslator
+    from cagkv.translate.train import TrainConfig, make_mot_config
+
+    src, tgt = tiny_model("llama", 4), tiny_model("gemma3", 6)
+    torch.manual_seed(0)
+    mot = MoTTranslator(make_mot_config(src, tgt, TrainConfig(d_model=24, d_expert=32, experts=2, top_k=1,
+                                                              init="random"))).eval()
+    card = {"source": {"fingerprint": src.fingerprint}, "target": {"fingerprint": tgt.fingerprint}}
+    return src, tgt, mot, save_artifact(folder, mot, card, dtype=torch.float32)
