@@ -91,10 +91,11 @@ def main() -> None:
     chunks = min(len(train), args.chunks or len(train))
     for i in range(chunks):
         rec = train[i]
-        keys, _, _ = trainer.translate_batch(trainer.batch([rec]))
+        bt = trainer.batch([rec])
+        keys, _, _ = trainer.translate_batch(bt)
         n = int(rec["tgt_ids"].numel())
-        translated = keys[0, :, :, :n].permute(2, 0, 1, 3).reshape(n, cfg.tgt_layers, -1)
-        native = rec["tgt_k"].float().permute(2, 0, 1, 3).reshape(n, cfg.tgt_layers, -1)
+        translated = keys[0, :, :, :n].permute(2, 0, 1, 3).reshape(n, cfg.tgt_layers, -1)  # [T, L, H*D]
+        native = bt["tk"][0, :, :n].transpose(0, 1)  # the batch's native keys, the same layout
         buffer.append((ridge_features(rec["src_k"], rec["src_v"], rec["src_off"], rec["tgt_off"], source_layers),
                        native - translated))
         if len(buffer) == 32 or i == chunks - 1:  # one float32 product per 32 chunks

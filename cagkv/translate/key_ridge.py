@@ -51,6 +51,7 @@ class RidgeAccumulator:
         self.sxx: torch.Tensor | None = None
         self.sxy: torch.Tensor | None = None
         self.sy: torch.Tensor | None = None
+        self.shape: tuple[int, ...] = ()  # the errors' [L, H*D], from the first call
 
     def add(self, features: torch.Tensor, errors: torch.Tensor) -> None:
         """Tokens of one or more chunks: features `[T, F]` and key errors `[T, L, H*D]` (native - translated)."""
